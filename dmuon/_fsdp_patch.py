@@ -1,0 +1,41 @@
+"""Make FSDP2's ``fully_shard`` leave dedicated params alone.
+
+The patch wraps the helper that ``fully_shard`` uses to collect a module's managed
+params, rather than the ``fully_shard`` symbol itself: user code that imported
+``fully_shard`` before ``import dmuon`` holds the original function, and still goes
+through this helper. Dedicated params are added to FSDP2's own ``ignored_params``,
+whose semantics (not sharded, gradients not reduced) are exactly what DMuon needs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from torch import nn
+
+_PATCHED = "_dmuon_patched"
+
+
+def _with_dedicated_ignored(get_modules_and_states):
+    @functools.wraps(get_modules_and_states)
+    def wrapper(module, device, ignored_params, *args, **kwargs):
+        roots = (module,) if isinstance(module, nn.Module) else tuple(module)
+        dedicated = {
+            p for root in roots for p in root.parameters()
+            if getattr(p, "_dmuon_dedicated", False)
+        }
+        if dedicated:
+            ignored_params = set(ignored_params or ()) | dedicated
+        return get_modules_and_states(module, device, ignored_params, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
+def install() -> None:
+    from torch.distributed.fsdp._fully_shard import _fully_shard
+
+    if not getattr(_fully_shard._get_modules_and_states, _PATCHED, False):
+        _fully_shard._get_modules_and_states = _with_dedicated_ignored(
+            _fully_shard._get_modules_and_states
+        )

@@ -1,0 +1,247 @@
+"""``dedicate_params``: give every Muon-target matrix one owner, pack the rest of the
+ranks' copies into per-(boundary, owner) buffers and install the hooks."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import nn
+
+from . import comm
+from .buffers import PackedGroup, RankContext
+from .hooks import BoundaryHooks
+from .partition import DedicationPlan, partition
+
+_STATE_ATTR = "_dmuon_state"
+_DEDICATED_ATTR = "_dmuon_dedicated"
+_guard = threading.local()
+
+
+class DMuonState:
+    """Everything ``dedicate_params`` attaches to a model (one per model)."""
+
+    def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool):
+        self.plan, self.ctx = plan, ctx
+        self.reshard_after_forward = reshard_after_forward
+        self.sync_gradients = True
+        self.groups: list[PackedGroup] = []
+        self.boundaries: dict[str, BoundaryHooks] = {}
+        self.memory_trace: list[tuple[str, int]] | None = None
+
+    @property
+    def ledger(self) -> comm.Ledger:
+        return self.ctx.ledger
+
+    @property
+    def owned_params(self) -> dict[str, nn.Parameter]:
+        """FQN -> this rank's authoritative copy, for params this rank owns."""
+        return {
+            m.fqn: own
+            for g in self.groups if g.is_owner
+            for m, own in zip(g.members, g.owned)
+        }
+
+    def live_packed_bytes(self) -> int:
+        return sum(g.packed.untyped_storage().nbytes() for g in self.groups)
+
+    def trace(self, event: str) -> None:
+        if self.memory_trace is not None:
+            self.memory_trace.append((event, self.live_packed_bytes()))
+
+    def finish_gradient_sync(self) -> None:
+        """Reduce whatever the grad hooks have not (unused params), then wait for all."""
+        for g in self.groups:
+            if not g.reduce_pending and g.has_local_grads():
+                g.start_reduce()
+        for g in self.groups:
+            g.finish_reduce()
+
+    def after_step(self, replicate_async: bool) -> None:
+        for g in self.groups:
+            g.fresh = False
+            g.start_replicate_broadcast()
+        if not replicate_async:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for pending post-step broadcasts (before anything reads owned values)."""
+        for g in self.groups:
+            g.wait_replicate_broadcast()
+
+
+def get_state(model: nn.Module) -> DMuonState:
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError("model has no DMuon state: call dmuon.dedicate_params(model, ...) first")
+    return state
+
+
+def get_plan(model: nn.Module) -> DedicationPlan:
+    """The plan ``dedicate_params`` made for ``model``."""
+    return get_state(model).plan
+
+
+def is_dedicated(param: nn.Parameter) -> bool:
+    return getattr(param, _DEDICATED_ATTR, False)
+
+
+def _check_not_fully_sharded(model: nn.Module) -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, FSDPModule):
+            raise RuntimeError(
+                f"fully_shard was applied to '{name or '<root>'}' before "
+                "dmuon.dedicate_params; call dedicate_params first so FSDP2 leaves the "
+                "Muon-target params to DMuon (order: TP, dedicate_params, fully_shard)"
+            )
+
+
+def _rank_context(mesh, replicate_mesh) -> RankContext:
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"dedicate_params got a {mesh.ndim}-D mesh {mesh.mesh_dim_names} without "
+            "replicate_mesh; for HSDP pass mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']"
+        )
+    if replicate_mesh is not None and replicate_mesh.ndim != 1:
+        raise ValueError("replicate_mesh must be a 1-D mesh (the 'replicate' dim of the HSDP mesh)")
+    ledger = comm.Ledger()
+    shard_group = mesh.get_group()
+    if replicate_mesh is None:
+        return RankContext(shard_group, mesh.get_local_rank(), mesh.size(), None, 0, 1, ledger)
+    return RankContext(
+        shard_group, mesh.get_local_rank(), mesh.size(),
+        replicate_mesh.get_group(), replicate_mesh.get_local_rank(), replicate_mesh.size(),
+        ledger,
+    )
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh,
+    *,
+    predicate,
+    replicate_mesh=None,
+    reshard_after_forward: bool = True,
+    hook_boundary_predicate=None,
+    hook_boundary_strict: bool = True,
+) -> DedicationPlan:
+    """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan."""
+    if hasattr(model, _STATE_ATTR):
+        raise RuntimeError("dedicate_params was already called on this model")
+    _check_not_fully_sharded(model)
+    ctx = _rank_context(mesh, replicate_mesh)
+    plan = partition(
+        model, predicate=predicate, shard_size=ctx.shard_size,
+        replicate_size=ctx.replicate_size, hook_boundary_predicate=hook_boundary_predicate,
+        hook_boundary_strict=hook_boundary_strict,
+    )
+    params = dict(model.named_parameters())
+    for fqn in plan.params:
+        if params[fqn].is_meta:
+            raise ValueError(
+                f"'{fqn}' is on the meta device: dedicate_params needs materialised "
+                "parameters (use dmuon.partition to plan a meta model)"
+            )
+    state = DMuonState(plan, ctx, reshard_after_forward)
+    for boundary, fqns in plan.boundaries.items():
+        by_owner: dict[int, list] = {}
+        for fqn in fqns:
+            by_owner.setdefault(plan.params[fqn].owner, []).append((fqn, params[fqn]))
+        groups = [
+            PackedGroup(boundary, plan.params[members[0][0]].owner_coord, members, ctx)
+            for _, members in sorted(by_owner.items())
+        ]
+        state.groups.extend(groups)
+        state.boundaries[boundary] = BoundaryHooks(
+            boundary, model.get_submodule(boundary), groups, state
+        )
+    for fqn in plan.params:
+        setattr(params[fqn], _DEDICATED_ATTR, True)
+    _install_state_dict_guard(model, plan)
+    setattr(model, _STATE_ATTR, state)
+    return plan
+
+
+# -- state dicts ---------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _allow_raw_state_dict():
+    prev = getattr(_guard, "allowed", False)
+    _guard.allowed = True
+    try:
+        yield
+    finally:
+        _guard.allowed = prev
+
+
+def _install_state_dict_guard(model: nn.Module, plan: DedicationPlan) -> None:
+    parents = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in plan.params}
+
+    def refuse(action):
+        def hook(module, *args, **kwargs):
+            if getattr(_guard, "allowed", False):
+                return
+            raise RuntimeError(
+                f"{action} would {'return' if action == 'state_dict' else 'write'} DMuon "
+                "placeholders: Muon-target params live in full only on their owner rank. "
+                "Use dmuon.full_state_dict(model) for full tensors on every rank, or "
+                "dmuon.checkpoint for sharded save/load"
+            )
+        return hook
+
+    for name in parents:
+        module = model.get_submodule(name)
+        module.register_state_dict_pre_hook(refuse("state_dict"))
+        module.register_load_state_dict_pre_hook(refuse("load_state_dict"))
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer in full, by FQN, on every rank.
+
+    Collective: every rank of the mesh must call it. Dedicated params come from
+    their owners' authoritative copies; FSDP2 shards are all-gathered.
+    """
+    state = get_state(model)
+    state.drain()
+    with _allow_raw_state_dict():
+        raw = model.state_dict()
+    full: dict[str, torch.Tensor] = {}
+    owned_values = {}
+    for g in state.groups:
+        flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
+        if g.is_column_owner:
+            torch.cat([o.view(-1) for o in g.owned], out=flat)
+        comm.broadcast(flat, g.owner_shard, state.ctx.shard_group, state.ledger,
+                       "shard", "state_dict").wait()
+        for m in g.members:
+            owned_values[m.fqn] = flat[m.offset:m.offset + m.numel].view(m.param.shape)
+    for key, value in raw.items():
+        if key in owned_values:
+            full[key] = owned_values[key].clone()
+        elif hasattr(value, "full_tensor"):
+            full[key] = value.full_tensor()
+        else:
+            full[key] = value.detach().clone()
+    return full
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Accumulate gradients locally: DMuon's reduce (and FSDP2's, if applied) wait
+    until the first backward outside this context."""
+    state = get_state(model)
+    fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+    state.sync_gradients = False
+    for m in fsdp_modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        state.sync_gradients = True
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+

@@ -1,0 +1,239 @@
+"""Owner assignment: which rank owns each Muon-target matrix.
+
+Pure functions over names and shapes, so a 70B model on the meta device can be planned
+on a laptop. Owners are *slots*: ``slot = replicate_index * shard_size + shard_index``,
+which is the global rank on a row-major (replicate, shard) mesh.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .newton_schulz import ns_flops
+
+_LAYER_FQN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+(?=\.)")
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One Muon-target parameter and its owner."""
+
+    fqn: str
+    shape: tuple[int, ...]
+    boundary: str
+    owner: int
+    owner_coord: tuple[int, int]  # (replicate, shard)
+    numel: int
+    ns_flops: int
+
+
+@dataclass
+class DedicationPlan:
+    """The result of the global LPT partition, identical on every rank."""
+
+    shard_size: int
+    replicate_size: int
+    params: dict[str, Assignment] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def elements_per_rank(self) -> list[int]:
+        out = [0] * self.world_size
+        for a in self.params.values():
+            out[a.owner] += a.numel
+        return out
+
+    @property
+    def ns_flops_per_rank(self) -> list[int]:
+        out = [0] * self.world_size
+        for a in self.params.values():
+            out[a.owner] += a.ns_flops
+        return out
+
+    @property
+    def total_elements(self) -> int:
+        return sum(a.numel for a in self.params.values())
+
+    @property
+    def imbalance(self) -> float:
+        """Largest rank's elements over the mean (1.0 is perfect balance)."""
+        per_rank = self.elements_per_rank
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean else 1.0
+
+    @property
+    def boundaries(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for a in self.params.values():
+            out.setdefault(a.boundary, []).append(a.fqn)
+        return out
+
+    def owner_of(self, fqn: str) -> int:
+        return self.params[fqn].owner
+
+    def owned_by(self, rank: int) -> list[str]:
+        return [a.fqn for a in self.params.values() if a.owner == rank]
+
+    def to_dict(self) -> dict:
+        return {
+            "shard_size": self.shard_size,
+            "replicate_size": self.replicate_size,
+            "imbalance": self.imbalance,
+            "elements_per_rank": self.elements_per_rank,
+            "ns_flops_per_rank": self.ns_flops_per_rank,
+            "params": {
+                a.fqn: {
+                    "owner": a.owner,
+                    "owner_coord": list(a.owner_coord),
+                    "shape": list(a.shape),
+                    "numel": a.numel,
+                    "ns_flops": a.ns_flops,
+                    "boundary": a.boundary,
+                }
+                for a in self.params.values()
+            },
+        }
+
+    def table(self) -> str:
+        """Per-rank ownership table as printed by the demo and the CLI."""
+        per_rank, flops = self.elements_per_rank, self.ns_flops_per_rank
+        counts = Counter(a.owner for a in self.params.values())
+        lines = [f"{'rank':>4} {'(r,s)':>7} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
+        for rank in range(self.world_size):
+            coord = f"({rank // self.shard_size},{rank % self.shard_size})"
+            lines.append(
+                f"{rank:>4} {coord:>7} {counts[rank]:>8} {per_rank[rank]:>14,} "
+                f"{flops[rank] / 1e9:>10.2f}"
+            )
+        lines.append(f"imbalance (max/mean elements): {self.imbalance:.4f}")
+        return "\n".join(lines)
+
+
+def select_params(model: nn.Module, predicate) -> list[tuple[str, nn.Parameter]]:
+    """The Muon-target params in registration order; refuses non-matrix tensors by name."""
+    selected = []
+    for name, param in model.named_parameters():
+        if not predicate(name, param):
+            continue
+        if param.ndim != 2:
+            raise ValueError(
+                f"predicate selected '{name}' with shape {tuple(param.shape)}: DMuon "
+                "orthogonalises 2-D matrices only; exclude it from the predicate so AdamW "
+                "handles it"
+            )
+        selected.append((name, param))
+    return selected
+
+
+def _ancestors(fqn: str):
+    parts = fqn.split(".")[:-1]
+    for i in range(len(parts), 0, -1):
+        yield ".".join(parts[:i])
+
+
+def resolve_boundary(model: nn.Module, fqn: str, hook_boundary_predicate, strict: bool) -> str:
+    """FQN of the module whose hooks broadcast and reduce ``fqn``.
+
+    With a predicate, the lowest ancestor it accepts; otherwise the deepest
+    ``layers.N`` / ``blocks.N`` ancestor named in the FQN.
+    """
+    if hook_boundary_predicate is not None:
+        for prefix in _ancestors(fqn):
+            if hook_boundary_predicate(model.get_submodule(prefix)):
+                return prefix
+    else:
+        matches = list(_LAYER_FQN.finditer(fqn))
+        if matches:
+            return fqn[: matches[-1].end()].lstrip(".")
+    if strict:
+        how = "hook_boundary_predicate" if hook_boundary_predicate else "'layers.N'/'blocks.N'"
+        raise ValueError(
+            f"dedicated param '{fqn}' has no hook boundary ({how} matched no ancestor); "
+            "pass hook_boundary_predicate, exclude it from the predicate, or set "
+            "hook_boundary_strict=False to hook its own module"
+        )
+    return fqn.rsplit(".", 1)[0] if "." in fqn else ""
+
+
+def lpt_assign(
+    items: list[tuple[str, int, str]], slots: int
+) -> dict[str, int]:
+    """Global longest-processing-time assignment of (name, cost, boundary) to slots.
+
+    Largest first, each to the least-loaded slot; params of a boundary that fits on
+    ``slots`` owners never share one, so a boundary's broadcasts run concurrently.
+    """
+    per_boundary = Counter(b for _, _, b in items)
+    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
+    load = [0] * slots
+    used: dict[str, set[int]] = defaultdict(set)
+    owner: dict[str, int] = {}
+    for i in order:
+        name, cost, boundary = items[i]
+        candidates = range(slots)
+        if per_boundary[boundary] <= slots:
+            candidates = [s for s in candidates if s not in used[boundary]]
+        slot = min(candidates, key=lambda s: (load[s], s))
+        owner[name] = slot
+        load[slot] += cost
+        used[boundary].add(slot)
+    return owner
+
+
+def plan_from_shapes(
+    entries: list[tuple[str, tuple[int, ...], str]],
+    shard_size: int,
+    replicate_size: int = 1,
+    ns_steps: int = 5,
+) -> DedicationPlan:
+    """Plan from (fqn, shape, boundary) triples in registration order."""
+    if shard_size < 1 or replicate_size < 1:
+        raise ValueError(f"shard_size={shard_size}, replicate_size={replicate_size} must be >= 1")
+    slots = shard_size * replicate_size
+    numels = {fqn: _numel(shape) for fqn, shape, _ in entries}
+    owners = lpt_assign([(f, numels[f], b) for f, _, b in entries], slots)
+    plan = DedicationPlan(shard_size, replicate_size)
+    for fqn, shape, boundary in entries:
+        slot = owners[fqn]
+        plan.params[fqn] = Assignment(
+            fqn=fqn,
+            shape=tuple(shape),
+            boundary=boundary,
+            owner=slot,
+            owner_coord=(slot // shard_size, slot % shard_size),
+            numel=numels[fqn],
+            ns_flops=ns_flops(shape, ns_steps),
+        )
+    return plan
+
+
+def partition(
+    model: nn.Module,
+    *,
+    predicate,
+    shard_size: int,
+    replicate_size: int = 1,
+    hook_boundary_predicate=None,
+    hook_boundary_strict: bool = True,
+) -> DedicationPlan:
+    """The plan ``dedicate_params`` would make, without a process group (meta models)."""
+    entries = [
+        (name, tuple(p.shape), resolve_boundary(model, name, hook_boundary_predicate,
+                                                 hook_boundary_strict))
+        for name, p in select_params(model, predicate)
+    ]
+    if not entries:
+        raise ValueError("predicate selected no parameters for DMuon")
+    return plan_from_shapes(entries, shard_size, replicate_size)
+
+
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())

@@ -1,0 +1,41 @@
+"""Memory accounting: live bytes per kind, found by walking this rank's own tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .dedicate import get_state, is_dedicated
+
+MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "adamw_state")
+
+
+def _local_nbytes(t: torch.Tensor) -> int:
+    local = t.to_local() if hasattr(t, "to_local") else t
+    return local.untyped_storage().nbytes() if local.numel() else 0
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Live bytes on this rank by kind (see ``MEMORY_KINDS``).
+
+    ``owned_params`` counts the full copies this rank keeps for matrices it owns
+    (all column owners in HSDP), ``packed_buffers`` the storage of the broadcast
+    buffers alive right now.
+    """
+    state = get_state(model)
+    report = dict.fromkeys(MEMORY_KINDS, 0)
+    report["packed_buffers"] = state.live_packed_bytes()
+    report["owned_params"] = sum(
+        own.numel() * own.element_size() for g in state.groups for own in g.owned
+    )
+    report["fsdp_shards"] = sum(
+        _local_nbytes(p) for p in model.parameters() if not is_dedicated(p)
+    )
+    if optimizer is not None:
+        for p, s in optimizer.state.items():
+            for key, value in s.items():
+                if not isinstance(value, torch.Tensor) or value.ndim == 0:
+                    continue
+                kind = "momentum" if key == "momentum_buffer" else "adamw_state"
+                report[kind] += _local_nbytes(value)
+    return report

@@ -1,0 +1,231 @@
+"""A small Llama-style causal language model (pure torch) used by the service and benchmarks.
+
+Parameter names follow the familiar ``model.layers.{i}.self_attn.q_proj.weight`` layout so that
+Muon/AdamW parameter grouping (see :func:`muon_predicate`) and checkpoints are easy to reason about.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    max_seq_len: int
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads != 0:
+            raise ValueError(f"dim={self.dim} not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(
+                f"n_heads={self.n_heads} not divisible by n_kv_heads={self.n_kv_heads}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+# The llama3-* shapes are taken from Meta's published Llama-3 model cards / config.json
+# (Meta-Llama-3-8B and Meta-Llama-3-70B); only the numbers are reused, not any code.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                        ffn_dim=128, max_seq_len=64),
+    "small": ModelConfig(vocab_size=256, dim=256, n_layers=4, n_heads=4, n_kv_heads=2,
+                         ffn_dim=768, max_seq_len=256),
+    "llama3-8b": ModelConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             ffn_dim=14336, max_seq_len=8192),
+    "llama3-70b": ModelConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_dim=28672, max_seq_len=8192),
+}
+
+
+def get_config(name_or_config: str | ModelConfig) -> ModelConfig:
+    if isinstance(name_or_config, ModelConfig):
+        return name_or_config
+    try:
+        return PRESETS[name_or_config]
+    except KeyError:
+        valid = ", ".join(sorted(PRESETS))
+        raise ValueError(f"unknown model {name_or_config!r}; valid names: {valid}") from None
+
+
+def num_params(config: str | ModelConfig) -> int:
+    """Total parameter count computed from the config alone (no model is built)."""
+    c = get_config(config)
+    q_out, kv_out = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    per_layer = 2 * c.dim + 2 * q_out * c.dim + 2 * kv_out * c.dim + 3 * c.ffn_dim * c.dim
+    head = 0 if c.tie_embeddings else c.vocab_size * c.dim
+    return c.vocab_size * c.dim + c.n_layers * per_layer + c.dim + head
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.to(x.dtype) * self.weight
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables [T, head_dim] for integer positions, computed on the fly (no buffers)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    inv_freq = 1.0 / theta ** (
+        torch.arange(0, head_dim, 2, device=positions.device, dtype=work) / head_dim
+    )
+    angles = positions.to(work)[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, H, T, hd]; rotate-half convention.
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_heads * c.head_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        t = tokens.shape[1]
+        if t > c.max_seq_len:
+            raise ValueError(f"sequence length {t} exceeds max_seq_len {c.max_seq_len}")
+        h = self.embed_tokens(tokens)
+        positions = torch.arange(t, device=tokens.device)
+        cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.model = LlamaModel(c)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: LongTensor [B, T] -> logits [B, T, vocab]."""
+        return self.lm_head(self.model(tokens))
+
+
+def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over all positions; targets are already shifted, shape [B, T]."""
+    # Low-precision logits are upcast for a stable softmax; float64 stays float64.
+    work = torch.promote_types(logits.dtype, torch.float32)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), targets.reshape(-1))
+
+
+def muon_predicate(name: str, param: torch.Tensor) -> bool:
+    """True for the 2-D projection matrices inside decoder layers (Muon); False otherwise."""
+    return "model.layers." in name and param.ndim == 2
+
+
+def build_model(
+    config: str | ModelConfig,
+    *,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+) -> LlamaForCausalLM:
+    """Build the model. On the meta device nothing is initialized; otherwise parameters are drawn
+    deterministically from ``seed`` (normal(0, 0.02) for matrices/embeddings, ones for norms),
+    independently of the target device. ``seed=None`` draws a seed from torch's global RNG."""
+    c = get_config(config)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(c)
+    if dtype is not None:
+        model = model.to(dtype)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "meta":
+        return model
+    model = model.to_empty(device=device)
+    if c.tie_embeddings:  # to_empty materializes each module separately: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for _, p in model.named_parameters():  # deduplicated, deterministic order
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                w = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, 0.02, generator=gen)
+                p.copy_(w)
+    return model
+
+

@@ -1,0 +1,161 @@
+"""DMuon core on a 1-D shard mesh of 4 gloo processes, against independent references."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _collectives import CollectiveRecorder
+from _dist import run
+from _train import (
+    build_dmuon,
+    global_batches,
+    local_rows,
+    loss_of,
+    lr_lambda,
+    reference_run,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.flop_counter import FlopCounterMode
+
+import dmuon
+from service.models import build_model, get_config, muon_predicate
+
+STEPS, WORLD, ELT = 10, 4, 8  # float64
+MODES = {"z2": False, "z3": True}
+
+
+def _train(rank, world, z3, adjust_lr_fn):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model, opt = build_dmuon(mesh, z3, adjust_lr_fn=adjust_lr_fn)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    state, ledger = dmuon.get_state(model), dmuon.get_ledger(model)
+    state.memory_trace = []
+    out = {k: [] for k in ("losses", "ledger", "calls", "flops", "packed_after_forward")}
+    with CollectiveRecorder() as rec:
+        for batch in global_batches(STEPS):
+            tokens = local_rows(batch, rank, world)
+            logits = model(tokens[:, :-1])
+            out["packed_after_forward"].append(dmuon.memory_report(model)["packed_buffers"])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+            loss.backward()
+            with FlopCounterMode(display=False) as counter:
+                opt.step()
+            sched.step()
+            opt.zero_grad()
+            out["flops"].append(counter.get_total_flops())
+            out["calls"].append(rec.take())
+            out["ledger"].append({
+                p: ledger.last_step("shard", p) for p in ("forward", "backward", "reduce")
+            })
+            out["losses"].append(loss.item())
+    out["trace"] = state.memory_trace
+    out["memory"] = dmuon.memory_report(model, opt)
+    out["owned"] = sorted(state.owned_params)
+    out["full"] = dmuon.full_state_dict(model)
+    return out
+
+
+@functools.cache
+def dist_run(mode: str, adjust_lr_fn):
+    return run(_train, MODES[mode], adjust_lr_fn, world_size=WORLD)
+
+
+@functools.cache
+def reference(adjust_lr_fn):
+    return reference_run(STEPS, adjust_lr_fn)
+
+
+def _muon_shapes():
+    model = build_model(get_config("tiny"), device="meta")
+    return {n: tuple(p.shape) for n, p in model.named_parameters() if muon_predicate(n, p)}
+
+
+def _rel_err(a, b):
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_matches_float64_reference(mode, adjust_lr_fn):
+    ref_params, ref_losses = reference(adjust_lr_fn)
+    results = dist_run(mode, adjust_lr_fn)
+    for rank, res in enumerate(results):
+        assert set(res["full"]) == set(ref_params), f"rank {rank} keys differ"
+        for key, ref in ref_params.items():
+            err = _rel_err(res["full"][key], ref)
+            assert err <= 1e-9, f"rank {rank} {key}: rel. error {err:.3e}"
+    # the local losses average to the reference's global-batch loss
+    mean_losses = [sum(r["losses"][i] for r in results) / WORLD for i in range(STEPS)]
+    assert mean_losses == pytest.approx(ref_losses, rel=1e-12)
+
+
+def test_z2_and_z3_are_bit_identical():
+    for adjust in (None, "match_rms_adamw"):
+        z2, z3 = dist_run("z2", adjust), dist_run("z3", adjust)
+        for rank in range(WORLD):
+            assert z2[rank]["losses"] == z3[rank]["losses"]
+            for key, value in z2[rank]["full"].items():
+                assert torch.equal(value, z3[rank]["full"][key]), (rank, key)
+
+
+@pytest.mark.parametrize("mode,passes", [("z2", 2), ("z3", 3)])
+def test_ledger_bytes_per_step(mode, passes):
+    p_m = sum(torch.Size(s).numel() for s in _muon_shapes().values())
+    expected = passes * (WORLD - 1) * p_m * ELT / WORLD  # seeds: 2 or 3 (N-1)/N x P_M x elt
+    fsdp_sizes = _fsdp_all_gather_sizes()
+    for rank, res in enumerate(dist_run(mode, None)):
+        for step in range(STEPS):
+            ledger = res["ledger"][step]
+            assert sum(ledger.values()) == expected, (rank, step, ledger)
+            assert ledger["backward"] == (0 if mode == "z2" else expected / 3)
+            calls = res["calls"][step]
+            counted = sum(b * (n - 1) / n for op, _, b, n in calls if op in ("broadcast", "reduce"))
+            assert counted == expected
+            gathers = {numel for op, numel, _, _ in calls if op.startswith("all_gather")}
+            assert gathers <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {gathers - fsdp_sizes}"
+            assert not [c for c in calls if c[0] == "all_reduce"]
+
+
+def _fsdp_all_gather_sizes():
+    """Output sizes of FSDP2's all-gathers: each FSDP2 module's non-Muon params, padded."""
+    cfg = get_config("tiny")
+    pad = lambda n, rows: -(-rows // WORLD) * WORLD * (n // rows)  # noqa: E731
+    layer = 2 * pad(cfg.dim, cfg.dim)  # two RMSNorm weights
+    root = 2 * pad(cfg.vocab_size * cfg.dim, cfg.vocab_size) + pad(cfg.dim, cfg.dim)
+    return {layer, root}
+
+
+def test_newton_schulz_runs_once_per_matrix_per_step():
+    per_step = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in _muon_shapes().values())
+    results = dist_run("z2", None)
+    for step in range(STEPS):
+        assert sum(r["flops"][step] for r in results) == per_step
+    # and each matrix is owned by exactly one rank
+    owned = [fqn for r in results for fqn in r["owned"]]
+    assert sorted(owned) == sorted(_muon_shapes())
+
+
+def test_packed_buffer_memory_z2_and_z3():
+    shapes = _muon_shapes()
+    p_m_bytes = sum(torch.Size(s).numel() for s in shapes.values()) * ELT
+    layer_bytes = {}
+    for fqn, s in shapes.items():
+        layer = fqn.split(".self_attn")[0].split(".mlp")[0]
+        layer_bytes[layer] = layer_bytes.get(layer, 0) + torch.Size(s).numel() * ELT
+    for res in dist_run("z2", None):
+        assert res["packed_after_forward"] == [p_m_bytes] * STEPS  # full P_M, not P_M / N
+    for res in dist_run("z3", None):
+        assert res["packed_after_forward"] == [0] * STEPS
+        assert max(b for _, b in res["trace"]) == max(layer_bytes.values())
+        assert res["memory"]["packed_buffers"] == 0
+
+
+def test_owner_holds_full_params_and_momentum():
+    shapes = _muon_shapes()
+    for res in dist_run("z3", None):
+        owned_elems = sum(torch.Size(shapes[f]).numel() for f in res["owned"])
+        assert res["memory"]["owned_params"] == owned_elems * ELT
+        assert res["memory"]["momentum"] == owned_elems * ELT
