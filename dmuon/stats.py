@@ -32,7 +32,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         _local_nbytes(p) for p in model.parameters() if not is_dedicated(p)
     )
     if optimizer is not None:
-        for p, s in optimizer.state.items():
+        for s in optimizer.state.values():
             for key, value in s.items():
                 if not isinstance(value, torch.Tensor) or value.ndim == 0:
                     continue

@@ -7,12 +7,10 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder
-from _dist import run
 from _train import (
     build_dmuon,
     global_batches,
     local_rows,
-    loss_of,
     lr_lambda,
     reference_run,
 )
@@ -20,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon
+from service.local import run
 from service.models import build_model, get_config, muon_predicate
 
 STEPS, WORLD, ELT = 10, 4, 8  # float64
@@ -129,7 +128,9 @@ def _fsdp_all_gather_sizes():
 
 
 def test_newton_schulz_runs_once_per_matrix_per_step():
-    per_step = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in _muon_shapes().values())
+    # per NS iteration on m x n (m <= n): X Xᵀ, A·A and B·X, 2 FLOPs per multiply-add
+    per_step = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3)
+                   for s in _muon_shapes().values())
     results = dist_run("z2", None)
     for step in range(STEPS):
         assert sum(r["flops"][step] for r in results) == per_step
@@ -159,3 +160,51 @@ def test_owner_holds_full_params_and_momentum():
         owned_elems = sum(torch.Size(shapes[f]).numel() for f in res["owned"])
         assert res["memory"]["owned_params"] == owned_elems * ELT
         assert res["memory"]["momentum"] == owned_elems * ELT
+
+
+def _errors(rank, world):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build_model(get_config("tiny"), seed=0)
+    fully_shard(model.model.layers[1], mesh=mesh)
+    with pytest.raises(RuntimeError) as e:
+        dmuon.dedicate_params(model, mesh, predicate=muon_predicate)
+    out["fully_shard_first"] = str(e.value)
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    with pytest.raises(ValueError) as e:
+        dmuon.dedicate_params(build_model(get_config("tiny"), seed=0), hsdp,
+                              predicate=muon_predicate)
+    out["mesh_2d"] = str(e.value)
+    model, opt = build_dmuon(mesh, True)
+    out["dtensor"] = {n: isinstance(p, DTensor) for n, p in model.named_parameters()}
+    out["muon"] = {n: muon_predicate(n, p) for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError) as e:
+        model.state_dict()
+    out["state_dict"] = str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        model.model.layers[0].load_state_dict({})
+    out["load_state_dict"] = str(e.value)
+    return out
+
+
+def test_errors_name_their_cause():
+    for res in run(_errors, world_size=WORLD):
+        assert "fully_shard was applied to 'model.layers.1' before" in res["fully_shard_first"]
+        assert "2-D mesh" in res["mesh_2d"] and "replicate_mesh" in res["mesh_2d"]
+        for key in ("state_dict", "load_state_dict"):
+            assert "dmuon.full_state_dict" in res[key] and "placeholder" in res[key]
+        # the import-time patch: FSDP2 sharded exactly the params DMuon does not own
+        assert res["dtensor"] == {n: not is_muon for n, is_muon in res["muon"].items()}
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(lr=-1.0), "lr"), (dict(ns_steps=0), "ns_steps"),
+    (dict(adjust_lr_fn="bogus"), "adjust_lr_fn"), (dict(ns_backend="svd"), "ns_backend"),
+    (dict(ns_coefficients="cubic"), "ns_coefficients"),
+])
+def test_bad_optimizer_arguments_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        dmuon.Muon(torch.nn.Linear(2, 2), **kwargs)

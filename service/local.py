@@ -1,4 +1,7 @@
-"""Run a function on N gloo processes on loopback and collect what each rank returns."""
+"""Run a function on N gloo processes on this machine's loopback, for tests and benchmarks.
+
+Clusters go through Ray (``service.train``); this is the no-Ray way to exercise the core.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,115 @@
+"""Global LPT partition on meta-device Llama-3 shapes, and the errors that name causes."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+import pytest
+import torch
+from torch import nn
+
+import dmuon
+from service.models import build_model, get_config, muon_predicate
+
+LIMITS = {("llama3-8b", 8): 1.01, ("llama3-70b", 8): 1.01, ("llama3-70b", 64): 1.01,
+          ("llama3-8b", 64): 1.08}
+
+
+@pytest.fixture(scope="module", params=["llama3-8b", "llama3-70b"])
+def meta_model(request):
+    return request.param, build_model(get_config(request.param), device="meta")
+
+
+def _expected_matrices(cfg):
+    hd = cfg.dim // cfg.n_heads
+    attn = [(cfg.n_heads * hd, cfg.dim), (cfg.n_kv_heads * hd, cfg.dim),
+            (cfg.n_kv_heads * hd, cfg.dim), (cfg.dim, cfg.n_heads * hd)]
+    mlp = [(cfg.ffn_dim, cfg.dim)] * 2 + [(cfg.dim, cfg.ffn_dim)]
+    return cfg.n_layers * (attn + mlp)
+
+
+@pytest.mark.parametrize("n", [8, 64])
+def test_balance_and_layer_concurrency(meta_model, n):
+    name, model = meta_model
+    plan = dmuon.partition(model, predicate=muon_predicate, shard_size=n)
+    cfg = get_config(name)
+    shapes = _expected_matrices(cfg)
+    total = sum(r * c for r, c in shapes)
+    per_rank = defaultdict(int)
+    by_layer = defaultdict(list)
+    for fqn, a in plan.params.items():
+        per_rank[a.owner] += a.numel
+        by_layer[re.search(r"layers\.\d+", fqn).group()].append(a.owner)
+    assert len(plan.params) == len(shapes) and sum(per_rank.values()) == total
+    ratio = max(per_rank.values()) / (total / n)
+    assert ratio <= LIMITS[(name, n)], ratio
+    assert plan.imbalance == pytest.approx(ratio)
+    for layer, owners in by_layer.items():  # N >= 7: 7 matrices on 7 distinct owners
+        assert len(set(owners)) == len(owners) == 7, layer
+
+
+def test_8b_at_64_is_at_the_pigeonhole_bound():
+    cfg = get_config("llama3-8b")
+    model = build_model(cfg, device="meta")
+    plan = dmuon.partition(model, predicate=muon_predicate, shard_size=64)
+    mlp = cfg.ffn_dim * cfg.dim
+    total = sum(r * c for r, c in _expected_matrices(cfg))
+    # 96 equal MLP matrices on 64 ranks force two on some rank: nothing beats 2*mlp.
+    assert max(plan.elements_per_rank) == 2 * mlp
+    assert 2 * mlp / (total / 64) == pytest.approx(1.077, abs=1e-3)
+
+
+def test_plan_reports_per_rank_figures():
+    model = build_model(get_config("tiny"), device="meta")
+    plan = dmuon.partition(model, predicate=muon_predicate, shard_size=2, replicate_size=2)
+    d = plan.to_dict()
+    assert sum(d["elements_per_rank"]) == sum(p.numel() for n, p in model.named_parameters()
+                                              if muon_predicate(n, p))
+    for a in d["params"].values():
+        r, s = a["owner_coord"]
+        assert a["owner"] == r * 2 + s
+        m, k = sorted(a["shape"])
+        assert a["ns_flops"] == 5 * (4 * m * m * k + 2 * m ** 3)
+    assert "imbalance" in plan.table()
+
+
+class _Toy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        self.head = nn.Linear(4, 4)
+
+
+def test_non_matrix_selected_names_the_param():
+    with pytest.raises(ValueError, match=r"'layers\.0\.bias'.*\(4,\)"):
+        dmuon.partition(_Toy(), predicate=lambda n, p: n.startswith("layers"), shard_size=2)
+
+
+def test_param_without_boundary_strict_names_it():
+    with pytest.raises(ValueError, match=r"'head\.weight' has no hook boundary"):
+        dmuon.partition(_Toy(), predicate=lambda n, p: p.ndim == 2, shard_size=2)
+    plan = dmuon.partition(_Toy(), predicate=lambda n, p: p.ndim == 2, shard_size=2,
+                           hook_boundary_strict=False)
+    assert plan.params["head.weight"].boundary == "head"
+    assert plan.params["layers.1.weight"].boundary == "layers.1"
+
+
+def test_boundary_predicate_picks_lowest_matching_ancestor():
+    outer = nn.Module()
+    outer.block = nn.Module()
+    outer.block.inner = nn.Linear(3, 3)
+    outer.block.inner.is_hook = True
+    plan = dmuon.partition(outer, predicate=lambda n, p: p.ndim == 2, shard_size=1,
+                           hook_boundary_predicate=lambda m: isinstance(m, nn.Linear)
+                           or hasattr(m, "inner"))
+    assert plan.params["block.inner.weight"].boundary == "block.inner"
+
+
+def test_boundary_with_more_params_than_slots_still_balances():
+    toy = nn.Module()
+    toy.layers = nn.ModuleList([nn.Module()])
+    for i in range(5):
+        toy.layers[0].register_parameter(f"w{i}", nn.Parameter(torch.zeros(2, 2)))
+    plan = dmuon.partition(toy, predicate=lambda n, p: True, shard_size=2)
+    assert sorted(plan.elements_per_rank) == [8, 12]
