@@ -22,16 +22,21 @@ Public API (setup order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``Muon(model, ...)``: Muon on owned matrices, ``torch.optim.AdamW`` for the rest.
 - ``newton_schulz(G, steps, backend, coefficients, dtype)``, ``ns_flops(shape, steps)``.
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
-- ``no_sync(model)``: accumulate gradients without reducing.
+- ``no_sync(model)``: accumulate gradients without reducing (FSDP2's
+  ``set_requires_gradient_sync`` works too); ``clip_grad_norm_(model, max_norm)``.
+- ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
+  ``checkpoint.get_state_dict/set_state_dict``: sharded DCP checkpoints that load on any
+  layout.
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
 Importing this package makes FSDP2's ``fully_shard`` skip dedicated params.
 """
 
-from . import _fsdp_patch
+from . import _fsdp_patch, checkpoint
 from .comm import Ledger
-from .dedicate import dedicate_params, full_state_dict, get_plan, get_state, no_sync
+from .dedicate import dedicate_params, full_state_dict, get_plan, get_state
+from .grads import clip_grad_norm_, no_sync
 from .newton_schulz import newton_schulz, ns_flops
 from .optim import Muon
 from .partition import Assignment, DedicationPlan, partition
@@ -51,6 +56,8 @@ __all__ = [
     "Ledger",
     "MEMORY_KINDS",
     "Muon",
+    "checkpoint",
+    "clip_grad_norm_",
     "dedicate_params",
     "full_state_dict",
     "get_ledger",

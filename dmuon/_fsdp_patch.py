@@ -1,4 +1,5 @@
-"""Make FSDP2's ``fully_shard`` leave dedicated params alone.
+"""Make FSDP2's ``fully_shard`` leave dedicated params alone, and its gradient-sync
+switch drive DMuon's reduce as well.
 
 The patch wraps the helper that ``fully_shard`` uses to collect a module's managed
 params, rather than the ``fully_shard`` symbol itself: user code that imported
@@ -32,10 +33,29 @@ def _with_dedicated_ignored(get_modules_and_states):
     return wrapper
 
 
+def _with_dmuon_sync(set_requires_gradient_sync):
+    """FSDP2's gradient-sync switch also switches DMuon's reduce for the same modules."""
+
+    @functools.wraps(set_requires_gradient_sync)
+    def wrapper(self, requires_gradient_sync, *, recurse=True):
+        from .grads import set_gradient_sync
+
+        set_requires_gradient_sync(self, requires_gradient_sync, recurse=recurse)
+        set_gradient_sync(self, requires_gradient_sync, recurse)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
 def install() -> None:
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fully_shard
 
     if not getattr(_fully_shard._get_modules_and_states, _PATCHED, False):
         _fully_shard._get_modules_and_states = _with_dedicated_ignored(
             _fully_shard._get_modules_and_states
+        )
+    if not getattr(FSDPModule.set_requires_gradient_sync, _PATCHED, False):
+        FSDPModule.set_requires_gradient_sync = _with_dmuon_sync(
+            FSDPModule.set_requires_gradient_sync
         )

@@ -25,7 +25,6 @@ class DMuonState:
     def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool):
         self.plan, self.ctx = plan, ctx
         self.reshard_after_forward = reshard_after_forward
-        self.sync_gradients = True
         self.groups: list[PackedGroup] = []
         self.boundaries: dict[str, BoundaryHooks] = {}
         self.memory_trace: list[tuple[str, int]] | None = None
@@ -223,25 +222,10 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if key in owned_values:
             full[key] = owned_values[key].clone()
         elif hasattr(value, "full_tensor"):
-            full[key] = value.full_tensor()
+            tensor = value.full_tensor()
+            # on a shard dim of size 1 full_tensor() returns the live local shard itself
+            aliased = tensor.data_ptr() == value.to_local().data_ptr()
+            full[key] = tensor.clone() if aliased else tensor
         else:
             full[key] = value.detach().clone()
     return full
-
-
-@contextlib.contextmanager
-def no_sync(model: nn.Module):
-    """Accumulate gradients locally: DMuon's reduce (and FSDP2's, if applied) wait
-    until the first backward outside this context."""
-    state = get_state(model)
-    fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
-    state.sync_gradients = False
-    for m in fsdp_modules:
-        m.set_requires_gradient_sync(False, recurse=False)
-    try:
-        yield
-    finally:
-        state.sync_gradients = True
-        for m in fsdp_modules:
-            m.set_requires_gradient_sync(True, recurse=False)
-

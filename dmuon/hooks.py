@@ -13,15 +13,13 @@ class BoundaryHooks:
     def __init__(self, name: str, module: torch.nn.Module, groups, state):
         self.name, self.module, self.groups, self.state = name, module, groups, state
         self._needs_regather = False
-        self._handles = [
-            module.register_forward_pre_hook(self._pre_forward),
-            module.register_forward_hook(self._post_forward),
-        ]
+        self.sync_gradients = True  # False while accumulating (no_sync)
+        module._dmuon_boundary = self
+        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_hook(self._post_forward)
         for group in groups:
             for m in group.members:
-                self._handles.append(
-                    m.param.register_post_accumulate_grad_hook(self._grad_hook(group))
-                )
+                m.param.register_post_accumulate_grad_hook(self._grad_hook(group))
 
     def unshard(self, phase: str) -> None:
         handles = []
@@ -60,13 +58,7 @@ class BoundaryHooks:
         return grad
 
     def _grad_hook(self, group):
-        state = self.state
-
         def hook(param):
-            group.grad_ready(param, state.sync_gradients, state.reshard_after_forward)
+            group.grad_ready(param, self.sync_gradients, self.state.reshard_after_forward)
 
         return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()

@@ -23,7 +23,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, out_dir, fn, args):
+def _worker(rank, world_size, port, out_dir, fn, args, kwargs):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo",
         OMP_NUM_THREADS="1",
@@ -31,16 +31,16 @@ def _worker(rank, world_size, port, out_dir, fn, args):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *args, **kwargs)
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def run(fn, *args, world_size: int = 4) -> list:
-    """``fn(rank, world_size, *args)`` on every rank; returns the per-rank results."""
+def run(fn, *args, world_size: int = 4, **kwargs) -> list:
+    """``fn(rank, world_size, *args, **kwargs)`` on every rank; returns per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, _free_port(), out_dir, fn, args),
+        mp.spawn(_worker, args=(world_size, _free_port(), out_dir, fn, args, kwargs),
                  nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]

@@ -3,12 +3,14 @@ single-process reference built from torch.optim.Muon + AdamW."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 import dmuon
 from service.models import build_model, causal_lm_loss, get_config, muon_predicate
 
-SEQ, GLOBAL_BATCH = 16, 8
+SEQ, GLOBAL_BATCH = 16, 16
 HPARAMS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adamw_lr=3e-3,
                adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.05)
 
@@ -92,3 +94,57 @@ def build_dmuon(mesh, z3: bool, *, replicate_mesh=None, fsdp_mesh=None, config="
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     kwargs = {**HPARAMS, "ns_dtype": dtype, **muon_kwargs}
     return model, dmuon.Muon(model, **kwargs)
+
+
+def optimizer_snapshot(model, opt) -> dict:
+    """This rank's owned momentum plus every AdamW tensor in full (collective)."""
+    state = dmuon.get_state(model)
+    snap = {f"momentum/{fqn}": opt.state[p]["momentum_buffer"].clone()
+            for fqn, p in state.owned_params.items() if "momentum_buffer" in opt.state[p]}
+    for name, p in model.named_parameters():
+        for key, value in opt.state.get(p, {}).items():
+            full = value.full_tensor() if hasattr(value, "full_tensor") else value
+            # clone: on a size-1 shard dim full_tensor() is the live local tensor
+            snap[f"adamw/{name}/{key}"] = full.clone()
+    return snap
+
+
+def hsdp_train(rank, world, layout, *, z3=True, steps=10, replicate_async=True, save_at=None,
+               path=None, load=False, micro=1, clip=None):
+    """Train on an R x N layout; optionally save after ``save_at`` steps or resume."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    model, opt = build_dmuon(mesh["shard"], z3, replicate_mesh=mesh["replicate"],
+                             fsdp_mesh=mesh, replicate_async=replicate_async)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    out, start = {"losses": [], "norms": []}, 0
+    if load:
+        extra = dmuon.checkpoint.load(path, model, opt)
+        start = extra["step"]
+        sched.load_state_dict(extra["sched"])
+        out["loaded"] = {**dmuon.full_state_dict(model), **optimizer_snapshot(model, opt)}
+    batches = global_batches(steps)
+    for step in range(start, steps):
+        rows = local_rows(batches[step], rank, world)
+        loss = 0.0
+        for i, chunk in enumerate(rows.chunk(micro)):
+            ctx = dmuon.no_sync(model) if i < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                micro_loss = loss_of(model, chunk) / micro
+                micro_loss.backward()
+            loss += micro_loss.item()
+        if clip is not None:
+            out["norms"].append(dmuon.clip_grad_norm_(model, clip).item())
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        out["losses"].append(loss)
+        if save_at == step + 1:
+            dmuon.checkpoint.save(path, model, opt,
+                                  extra={"step": step + 1, "sched": sched.state_dict()})
+            out["saved"] = {**dmuon.full_state_dict(model), **optimizer_snapshot(model, opt)}
+    out["ledger"] = dmuon.get_ledger(model).last_step_by_phase()
+    out["final"] = {**dmuon.full_state_dict(model), **optimizer_snapshot(model, opt)}
+    return out

@@ -1,0 +1,232 @@
+"""Sharded, reshardable checkpoints with ``torch.distributed.checkpoint`` (DCP).
+
+Nothing is gathered to one rank: owners write their full matrices and momentum by FQN,
+FSDP2 params and AdamW state go as DTensors. A checkpoint is a flat DCP state dict with
+keys ``model/<fqn>``, ``optim/<fqn>/<state>``, ``optim_groups`` and ``extra``; loading
+asks for keys by FQN on whatever layout the model now has, so a checkpoint written on
+one R x N layout loads on another.
+
+``save`` writes into ``<path>.partial`` and renames it to ``<path>`` only once every
+rank has finished and a manifest of file sizes is written, so a save killed midway
+leaves the previous checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from .dedicate import _allow_raw_state_dict, get_state
+
+MANIFEST = "dmuon_manifest.json"
+_GROUP_KEYS_SKIPPED = ("params",)
+
+
+def _param_fqns(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _ensure_optimizer_state(model: nn.Module, optimizer) -> None:
+    """Materialise state the optimizer creates lazily, with the values its first step
+    would start from, so that every rank knows which tensors to load into."""
+    for p in optimizer.param_groups[0]["params"]:
+        optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+    for p in optimizer.param_groups[1]["params"]:
+        s = optimizer.state[p]
+        if not s:
+            s["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+            s["exp_avg"] = torch.zeros_like(p)
+            s["exp_avg_sq"] = torch.zeros_like(p)
+
+
+def _scalar_dtype() -> torch.dtype:
+    # what torch.optim.AdamW uses for its "step" counter
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """``(model_state_dict, optimizer_state_dict)`` of this rank's share, keyed by FQN.
+
+    Dedicated params appear on the ranks that keep them in full (their owner's shard
+    column); everything else as FSDP2 DTensors. Optimizer state is keyed
+    ``{fqn: {state_name: tensor}}`` plus ``param_groups`` hyperparameters.
+    """
+    state = get_state(model)
+    state.drain()
+    with _allow_raw_state_dict():
+        raw = model.state_dict()
+    column_owned = {m.fqn: own for g in state.groups if g.is_column_owner
+                    for m, own in zip(g.members, g.owned)}
+    model_sd = {}
+    for key, value in raw.items():
+        if key in state.plan.params:
+            if key in column_owned:
+                model_sd[key] = column_owned[key]
+        else:
+            model_sd[key] = value
+    _ensure_optimizer_state(model, optimizer)
+    names = _param_fqns(model)
+    names.update({id(own): fqn for fqn, own in state.owned_params.items()})
+    optim_sd = {
+        "state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
+        "param_groups": [
+            {k: v for k, v in g.items() if k not in _GROUP_KEYS_SKIPPED}
+            for g in optimizer.param_groups
+        ],
+    }
+    return model_sd, optim_sd
+
+
+@torch.no_grad()
+def set_state_dict(model: nn.Module, optimizer, state_dict) -> None:
+    """Copy a ``get_state_dict``-shaped ``(model_sd, optim_sd)`` into model and optimizer."""
+    model_sd, optim_sd = state_dict
+    target_model, target_optim = get_state_dict(model, optimizer)
+    missing = [f"model/{k}" for k in target_model if k not in model_sd]
+    missing += [f"optim/{k}/{n}" for k, s in target_optim["state"].items() for n in s
+                if n not in optim_sd["state"].get(k, {})]
+    if missing:
+        raise KeyError(f"state dict lacks {len(missing)} keys this rank needs: "
+                       f"{_preview(missing)}")
+    for key, dst in target_model.items():
+        _copy(dst, model_sd[key], f"model/{key}")
+    for fqn, tensors in target_optim["state"].items():
+        for name, dst in tensors.items():
+            _copy(dst, optim_sd["state"][fqn][name], f"optim/{fqn}/{name}")
+    for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+        group.update({k: v for k, v in saved.items() if k not in _GROUP_KEYS_SKIPPED})
+    for g in get_state(model).groups:
+        g.fresh = False
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
+    if dst is src:
+        return
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"{key}: checkpoint shape {tuple(src.shape)} != model {tuple(dst.shape)}")
+    if hasattr(dst, "to_local") and hasattr(src, "to_local"):
+        dst.to_local().copy_(src.to_local())
+    else:
+        dst.copy_(src)
+
+
+# -- files ---------------------------------------------------------------------------
+
+def _flat(model_sd: dict, optim_sd: dict, extra: dict | None) -> dict:
+    flat = {f"model/{k}": v for k, v in model_sd.items()}
+    for fqn, tensors in optim_sd["state"].items():
+        for name, value in tensors.items():
+            flat[f"optim/{fqn}/{name}"] = value
+    groups = [{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in g.items()}
+              for g in optim_sd["param_groups"]]
+    flat["optim_groups"] = json.dumps(groups)
+    flat["extra"] = json.dumps(extra or {})
+    return flat
+
+
+def _rank0() -> bool:
+    return dist.get_rank() == 0
+
+
+def _committed(path: str) -> str:
+    """``path``, or its predecessor if a save was killed between its two renames."""
+    old = f"{path}.old"
+    if not os.path.isdir(path) and os.path.isfile(os.path.join(old, MANIFEST)):
+        return old
+    return path
+
+
+def save(path: str, model: nn.Module, optimizer, extra: dict | None = None) -> None:
+    """Collective sharded save; ``extra`` (JSON-able: step, data position) rides along."""
+    path = os.path.abspath(path)
+    partial = f"{path}.partial"
+    if _rank0():
+        shutil.rmtree(partial, ignore_errors=True)
+        if _committed(path) != path:
+            os.rename(_committed(path), path)
+    dist.barrier()
+    dcp.save(_flat(*get_state_dict(model, optimizer), extra), checkpoint_id=partial)
+    dist.barrier()
+    if _rank0():
+        sizes = {f: os.path.getsize(os.path.join(partial, f)) for f in sorted(os.listdir(partial))}
+        with open(os.path.join(partial, MANIFEST), "w") as fh:
+            json.dump({"files": sizes}, fh)
+        old = f"{path}.old"
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(partial, path)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+
+
+def _verify_files(path: str) -> None:
+    if not os.path.isdir(path):
+        hint = " (a save was interrupted: see .partial)" if os.path.isdir(f"{path}.partial") else ""
+        raise FileNotFoundError(f"no checkpoint directory at {path}{hint}")
+    manifest = os.path.join(path, MANIFEST)
+    if not os.path.isfile(manifest):
+        raise ValueError(f"{path} is not a complete DMuon checkpoint: {MANIFEST} is missing")
+    with open(manifest) as fh:
+        files = json.load(fh)["files"]
+    for name, size in files.items():
+        full = os.path.join(path, name)
+        have = os.path.getsize(full) if os.path.isfile(full) else None
+        if have != size:
+            state = "missing" if have is None else f"truncated ({have} of {size} bytes)"
+            raise ValueError(f"checkpoint {path}: file {name} is {state}")
+
+
+def _check_keys(path: str, flat: dict, model: nn.Module) -> None:
+    """Name what this model needs and the checkpoint lacks, and what it has in excess."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    missing = [k for k in flat if k not in meta]
+    with _allow_raw_state_dict():
+        model_keys = {f"model/{k}" for k in model.state_dict()}
+    unexpected = [k for k in meta if k.startswith("model/") and k not in model_keys]
+    mismatched = [
+        f"{k}: checkpoint {tuple(meta[k].size)} != model {tuple(v.shape)}"
+        for k, v in flat.items()
+        if isinstance(v, torch.Tensor) and k in meta and hasattr(meta[k], "size")
+        and tuple(meta[k].size) != tuple(v.shape)
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing keys {_preview(missing)}")
+    if unexpected:
+        problems.append(f"unexpected keys (another model?) {_preview(unexpected)}")
+    if mismatched:
+        problems.append(f"shape mismatches {_preview(mismatched)}")
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit this model: " + "; ".join(problems))
+
+
+def load(path: str, model: nn.Module, optimizer) -> dict:
+    """Collective load onto the model's current layout; returns the saved ``extra``."""
+    path = _committed(os.path.abspath(path))
+    _verify_files(path)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    flat = _flat(model_sd, optim_sd, None)
+    _check_keys(path, flat, model)
+    dcp.load(flat, checkpoint_id=path)
+    groups = json.loads(flat["optim_groups"])
+    for saved, group in zip(groups, optim_sd["param_groups"]):
+        for k, v in saved.items():
+            if isinstance(group.get(k), torch.dtype):
+                saved[k] = getattr(torch, v.removeprefix("torch."))
+            elif isinstance(group.get(k), tuple):
+                saved[k] = tuple(v)
+    optim_sd["param_groups"] = groups
+    set_state_dict(model, optimizer, (model_sd, optim_sd))
+    return json.loads(flat["extra"])
+
+
+def _preview(keys: list[str], n: int = 8) -> str:
+    shown = ", ".join(keys[:n])
+    return f"[{shown}{', ...' if len(keys) > n else ''}] ({len(keys)} in all)"

@@ -1,0 +1,70 @@
+"""Gradient accumulation and clipping across owned and FSDP2 gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+from torch import nn
+
+from . import comm
+from .dedicate import get_state, is_dedicated
+
+
+def set_gradient_sync(model: nn.Module, sync: bool, recurse: bool = True) -> None:
+    """DMuon's half of ``FSDPModule.set_requires_gradient_sync``: the import-time patch
+    calls it, so that FSDP2's own switch turns DMuon's reduce on and off too."""
+    for module in model.modules() if recurse else (model,):
+        boundary = getattr(module, "_dmuon_boundary", None)
+        if boundary is not None:
+            boundary.sync_gradients = sync
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module):
+    """Accumulate gradients locally; the first backward after the context reduces the
+    accumulated sum (DMuon's reduce and FSDP2's reduce-scatter alike)."""
+    get_state(model)
+    fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
+    set_gradient_sync(model, False)
+    for m in fsdp_modules:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        set_gradient_sync(model, True)
+        for m in fsdp_modules:
+            m.set_requires_gradient_sync(True, recurse=False)
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Clip the global 2-norm of every gradient of a dedicated model; returns the norm.
+
+    Collective. Owned gradients live on exactly one rank; FSDP2 gradients are sharded on
+    the shard dim and replicated on the replicate dim, so their squares are divided by R
+    before the sum over all R x N ranks.
+    """
+    state = get_state(model)
+    state.finish_gradient_sync()
+    owned = [p.grad for p in state.owned_params.values() if p.grad is not None]
+    sharded = [p.grad for p in model.parameters() if not is_dedicated(p) and p.grad is not None]
+    local = [g.to_local() if hasattr(g, "to_local") else g for g in sharded]
+    dtype = (owned or local or [torch.zeros(())])[0].dtype
+    device = (owned or local or [torch.zeros(())])[0].device
+    sq = torch.zeros(2, dtype=dtype, device=device)
+    for g in owned:
+        sq[0] += g.pow(2).sum()
+    for g in local:
+        sq[1] += g.pow(2).sum()
+    ctx = state.ctx
+    comm.all_reduce_sum(sq, ctx.shard_group, ctx.ledger, "shard", "step").wait()
+    if ctx.replicate_size > 1:
+        comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step").wait()
+    total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
+    coef = float(max_norm) / (total.item() + eps)
+    if coef < 1 and math.isfinite(coef):
+        for g in owned + local:
+            g.mul_(coef)
+    return total
