@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.core
+	$(PY) -m bench.ns
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench

@@ -1,4 +1,6 @@
-"""Core benchmark: FSDP2 + AdamW, naive FSDP2 + Muon, DMuon-Z2 and DMuon-Z3 in one run.
+"""Core benchmark: FSDP2 + AdamW, naive FSDP2 + Muon, DMuon-Z2/Z3 and DMuon HSDP 2x2 (sync
+vs async replicate broadcast) in one run, with checkpoint save/load times (plain DCP for
+FSDP2 + AdamW, ``dmuon.checkpoint`` for DMuon).
 
 4 gloo ranks on the CPU, built-in model at d=256 / 4 layers, seq 64, batch 4 per rank.
 Prints a table and writes bench/results/core.json. Not a test: the targets are reported,
@@ -11,6 +13,7 @@ import argparse
 import json
 import pathlib
 import statistics
+import tempfile
 import time
 
 import torch
@@ -24,7 +27,8 @@ from service.data import batch_at, load_corpus
 from service.local import run
 from service.models import build_model, causal_lm_loss, get_config, muon_predicate
 
-CONFIGS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3")
+CONFIGS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3",
+           "dmuon_z3_hsdp2x2_sync", "dmuon_z3_hsdp2x2_async")
 NS_DTYPE = torch.float32  # bf16 matmuls are ~3x slower than fp32 on this CPU
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -63,24 +67,61 @@ class NaiveFSDPMuon(torch.optim.Optimizer):
         self.adamw.zero_grad(set_to_none)
 
 
-def _setup(config: str, mesh, model_name: str):
+def _setup(config: str, world: int, model_name: str):
+    hsdp = "hsdp" in config
+    mesh = init_device_mesh("cpu", (2, world // 2) if hsdp else (1, world),
+                            mesh_dim_names=("replicate", "shard"))
+    fsdp_mesh = mesh if hsdp else mesh["shard"]
     model = build_model(get_config(model_name), seed=0)
     z3 = config != "dmuon_z2"
     if config.startswith("dmuon"):
-        dmuon.dedicate_params(model, mesh, predicate=muon_predicate, reshard_after_forward=z3)
+        dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+                              replicate_mesh=mesh["replicate"] if hsdp else None,
+                              reshard_after_forward=z3)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     if config == "fsdp2_adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     if config == "naive_fsdp2_muon":
         return model, NaiveFSDPMuon(model)
-    return model, dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=NS_DTYPE)
+    return model, dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=NS_DTYPE,
+                             replicate_async=not config.endswith("sync"))
 
 
-def _worker(rank, world, config, model_name, steps, warmup, batch, seq):
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model, opt = _setup(config, mesh, model_name)
+def _checkpoint_times(config, model, opt, directory, repeats=3) -> dict:
+    """Median save and load seconds: dmuon.checkpoint, or plain DCP for FSDP2 + AdamW."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    path = f"{directory}/{config}"
+    saves, loads = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if config.startswith("dmuon"):
+            dmuon.checkpoint.save(path, model, opt)
+        else:
+            msd, osd = get_state_dict(model, opt)
+            dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        dist.barrier()
+        t1 = time.perf_counter()
+        if config.startswith("dmuon"):
+            dmuon.checkpoint.load(path, model, opt)
+        else:
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.load(state, checkpoint_id=path)
+            set_state_dict(model, opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"])
+        dist.barrier()
+        saves.append(t1 - t0)
+        loads.append(time.perf_counter() - t1)
+    return {"save_s": statistics.median(saves), "load_s": statistics.median(loads)}
+
+
+def _worker(rank, world, config, model_name, steps, warmup, batch, seq, ckpt_dir):
+    model, opt = _setup(config, world, model_name)
     corpus = load_corpus("train", max_bytes=1_000_000)
     full, step_only = [], []
     for step in range(warmup + steps):
@@ -96,6 +137,8 @@ def _worker(rank, world, config, model_name, steps, warmup, batch, seq):
             full.append(t2 - t0)
             step_only.append(t2 - t1)
     out = {"full_step_s": statistics.median(full), "opt_step_s": statistics.median(step_only)}
+    if config != "naive_fsdp2_muon":
+        out.update(_checkpoint_times(config, model, opt, ckpt_dir))
     if config.startswith("dmuon"):
         out["memory"] = dmuon.memory_report(model, opt)
         out["shard_bytes"] = float(dmuon.get_ledger(model).last_step("shard"))
@@ -119,14 +162,16 @@ def main() -> None:
     ap.add_argument("--world", type=int, default=4)
     args = ap.parse_args()
     rows = {}
-    for config in CONFIGS:
-        per_rank = run(_worker, config, args.model, args.steps, args.warmup, args.batch,
-                       args.seq, world_size=args.world)
-        rows[config] = {
-            "full_step_s": max(r["full_step_s"] for r in per_rank),
-            "opt_step_s": max(r["opt_step_s"] for r in per_rank),
-            **{k: per_rank[0][k] for k in ("memory", "shard_bytes") if k in per_rank[0]},
-        }
+    with tempfile.TemporaryDirectory() as ckpt_dir:
+        for config in CONFIGS:
+            per_rank = run(_worker, config, args.model, args.steps, args.warmup, args.batch,
+                           args.seq, ckpt_dir, world_size=args.world)
+            rows[config] = {
+                k: max(r[k] for r in per_rank)
+                for k in ("full_step_s", "opt_step_s", "save_s", "load_s") if k in per_rank[0]
+            }
+            rows[config].update({k: per_rank[0][k] for k in ("memory", "shard_bytes")
+                                 if k in per_rank[0]})
     base, naive = rows["fsdp2_adamw"], rows["naive_fsdp2_muon"]
     ratios = {
         c: {"full_step_vs_fsdp2_adamw": rows[c]["full_step_s"] / base["full_step_s"],

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .dedicate import get_state, is_dedicated
-from .newton_schulz import check_backend, newton_schulz, resolve_coefficients
+from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -60,7 +60,7 @@ class Muon(torch.optim.Optimizer):
     ) -> None:
         _check_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, adamw_lr)
         check_backend(ns_backend)
-        resolve_coefficients(ns_coefficients)
+        coefficient_schedule(ns_coefficients, ns_steps)
         self._state = get_state(model)
         self.replicate_async = replicate_async
         owned = list(self._state.owned_params.values())
