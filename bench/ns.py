@@ -6,6 +6,7 @@ Prints two tables and writes bench/results/ns.json. Single thread, one process.
 
 from __future__ import annotations
 
+import functools
 import json
 import pathlib
 import statistics
@@ -39,11 +40,11 @@ def timing() -> list[dict]:
         for dtype in (torch.float32, torch.bfloat16):
             row = {"shape": list(shape), "dtype": str(dtype)}
             for backend in ("gram", "standard"):
-                row[backend] = _time(lambda b=backend: dmuon.newton_schulz(G, backend=b,
-                                                                           dtype=dtype))
+                row[backend] = _time(functools.partial(dmuon.newton_schulz, G,
+                                                       backend=backend, dtype=dtype))
             if dtype == torch.bfloat16:  # torch's NS always runs in bf16
-                row["torch"] = _time(lambda: _zeropower_via_newtonschulz(
-                    G, (3.4445, -4.7750, 2.0315), 5, 1e-7))
+                row["torch"] = _time(functools.partial(_zeropower_via_newtonschulz, G,
+                                                       (3.4445, -4.7750, 2.0315), 5, 1e-7))
             row["gram_over_standard"] = row["gram"] / row["standard"]
             row["flop_ratio"] = dmuon.ns_flops(shape, 5, "gram") / dmuon.ns_flops(
                 shape, 5, "standard")
