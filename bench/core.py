@@ -182,11 +182,13 @@ def main() -> None:
     print(f"\n{args.world} ranks, model {args.model!r}, seq {args.seq}, batch {args.batch}/rank,"
           f" NS in {NS_DTYPE}, medians of {args.steps} steps (slowest rank)")
     print("| config | full step (ms) | optimizer.step (ms) | full / FSDP2+AdamW |"
-          " step / naive |\n|---|---:|---:|---:|---:|")
+          " step / naive | ckpt save (ms) | ckpt load (ms) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for c in CONFIGS:
         r, q = rows[c], ratios[c]
+        ckpt = f"{r['save_s'] * 1e3:.0f} | {r['load_s'] * 1e3:.0f}" if "save_s" in r else "- | -"
         print(f"| {c} | {r['full_step_s'] * 1e3:.1f} | {r['opt_step_s'] * 1e3:.1f} | "
-              f"{q['full_step_vs_fsdp2_adamw']:.2f} | {q['opt_step_vs_naive']:.2f} |")
+              f"{q['full_step_vs_fsdp2_adamw']:.2f} | {q['opt_step_vs_naive']:.2f} | {ckpt} |")
     print(f"planning llama3-70b on meta at N=64: {planning:.3f} s")
     RESULTS.mkdir(exist_ok=True)
     out = {"args": vars(args), "rows": rows, "ratios": ratios, "planning_70b_s": planning}
