@@ -30,10 +30,11 @@ Public API (setup order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
-Importing this package makes FSDP2's ``fully_shard`` skip dedicated params.
+Importing this package makes FSDP2's ``fully_shard`` skip dedicated params and
+refuses tensor parallelism applied after ``dedicate_params``.
 """
 
-from . import _fsdp_patch, checkpoint
+from . import _compose, checkpoint
 from .comm import Ledger
 from .dedicate import dedicate_params, full_state_dict, get_plan, get_state
 from .grads import clip_grad_norm_, no_sync
@@ -42,7 +43,7 @@ from .optim import Muon
 from .partition import Assignment, DedicationPlan, partition
 from .stats import MEMORY_KINDS, memory_report
 
-_fsdp_patch.install()
+_compose.install()
 
 
 def get_ledger(model) -> Ledger:

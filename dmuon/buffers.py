@@ -15,14 +15,21 @@ import torch
 from torch import nn
 
 from . import comm
+from .tp import TPShard, tp_shard_of
 
 
 @dataclass
 class Member:
     fqn: str
-    param: nn.Parameter  # the module's parameter: a view into the packed buffer
+    param: nn.Parameter  # the module's parameter
+    local: torch.Tensor  # its storage (the local shard of a TP DTensor): a packed view
     offset: int
     numel: int
+    tp: TPShard | None
+
+    def local_grad(self) -> torch.Tensor | None:
+        g = self.param.grad
+        return g.to_local() if g is not None and hasattr(g, "to_local") else g
 
 
 @dataclass
@@ -48,9 +55,10 @@ class PackedGroup:
         self.members: list[Member] = []
         offset = 0
         for fqn, p in params:
-            self.members.append(Member(fqn, p, offset, p.numel()))
-            offset += p.numel()
-        first = params[0][1]
+            local = p._local_tensor if hasattr(p, "_local_tensor") else p
+            self.members.append(Member(fqn, p, local, offset, local.numel(), tp_shard_of(p)))
+            offset += local.numel()
+        first = self.members[0].local
         self.numel = offset
         self.dtype, self.device = first.dtype, first.device
         # Column owners (every rank of the owner's shard column) keep the full value;
@@ -59,10 +67,10 @@ class PackedGroup:
         self.is_owner = self.is_column_owner and ctx.replicate_rank == self.owner_replicate
         self.owned: list[nn.Parameter] = []
         if self.is_column_owner:
-            self.owned = [nn.Parameter(p.detach().clone()) for _, p in params]
+            self.owned = [nn.Parameter(m.local.detach().clone()) for m in self.members]
         self.packed = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         for m in self.members:
-            m.param.data = self.packed[m.offset:m.offset + m.numel].view(m.param.shape)
+            m.local.data = self.packed[m.offset:m.offset + m.numel].view(m.local.shape)
         self.free()
         self.fresh = False  # packed buffer holds the owner's current values
         self._ready: set[int] = set()
@@ -121,8 +129,9 @@ class PackedGroup:
     def start_reduce(self) -> None:
         flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
         for m in self.members:
-            if m.param.grad is not None:
-                flat[m.offset:m.offset + m.numel].copy_(m.param.grad.view(-1))
+            grad = m.local_grad()
+            if grad is not None:
+                flat[m.offset:m.offset + m.numel].copy_(grad.reshape(-1))
                 m.param.grad = None
         self._grad_flat = flat
         ctx = self.ctx

@@ -45,6 +45,17 @@ def _ensure_optimizer_state(model: nn.Module, optimizer) -> None:
             s["exp_avg_sq"] = torch.zeros_like(p)
 
 
+def _tp_wrapped(tensor: torch.Tensor, tp) -> torch.Tensor:
+    """An owner's TP shard as the DTensor it is, so DCP stores (and reshards) it by
+    position rather than taking one peer's shard for the whole matrix."""
+    if tp is None or tensor.ndim != 2:
+        return tensor
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(tensor, tp.mesh, tp.placements, run_check=False,
+                              shape=torch.Size(tp.full_shape), stride=(tp.full_shape[1], 1))
+
+
 def _scalar_dtype() -> torch.dtype:
     # what torch.optim.AdamW uses for its "step" counter
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -61,7 +72,8 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
     state.drain()
     with _allow_raw_state_dict():
         raw = model.state_dict()
-    column_owned = {m.fqn: own for g in state.groups if g.is_column_owner
+    tp_of = {m.fqn: m.tp for g in state.groups for m in g.members if m.tp is not None}
+    column_owned = {m.fqn: _tp_wrapped(own, m.tp) for g in state.groups if g.is_column_owner
                     for m, own in zip(g.members, g.owned)}
     model_sd = {}
     for key, value in raw.items():
@@ -74,7 +86,10 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
     names = _param_fqns(model)
     names.update({id(own): fqn for fqn, own in state.owned_params.items()})
     optim_sd = {
-        "state": {names[id(p)]: dict(s) for p, s in optimizer.state.items()},
+        "state": {
+            names[id(p)]: {k: _tp_wrapped(v, tp_of.get(names[id(p)])) for k, v in s.items()}
+            for p, s in optimizer.state.items()
+        },
         "param_groups": [
             {k: v for k, v in g.items() if k not in _GROUP_KEYS_SKIPPED}
             for g in optimizer.param_groups

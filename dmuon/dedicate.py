@@ -4,6 +4,7 @@ ranks' copies into per-(boundary, owner) buffers and install the hooks."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 
 import torch
@@ -83,7 +84,7 @@ def get_plan(model: nn.Module) -> DedicationPlan:
 
 
 def is_dedicated(param: nn.Parameter) -> bool:
-    return getattr(param, _DEDICATED_ATTR, False)
+    return bool(getattr(param, _DEDICATED_ATTR, False))
 
 
 def _check_not_fully_sharded(model: nn.Module) -> None:
@@ -157,14 +158,26 @@ def dedicate_params(
         state.boundaries[boundary] = BoundaryHooks(
             boundary, model.get_submodule(boundary), groups, state
         )
+    for g in state.groups:
+        for m in g.members:
+            if m.tp is not None:
+                plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
     for fqn in plan.params:
-        setattr(params[fqn], _DEDICATED_ATTR, True)
+        setattr(params[fqn], _DEDICATED_ATTR, fqn)  # truthy, and names it in errors
     _install_state_dict_guard(model, plan)
     setattr(model, _STATE_ATTR, state)
     return plan
 
 
 # -- state dicts ---------------------------------------------------------------------
+
+def _full_tp_matrix(local: torch.Tensor, tp) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False,
+                              shape=torch.Size(tp.full_shape),
+                              stride=(tp.full_shape[1], 1)).full_tensor()
+
 
 @contextlib.contextmanager
 def _allow_raw_state_dict():
@@ -217,7 +230,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         comm.broadcast(flat, g.owner_shard, state.ctx.shard_group, state.ledger,
                        "shard", "state_dict").wait()
         for m in g.members:
-            owned_values[m.fqn] = flat[m.offset:m.offset + m.numel].view(m.param.shape)
+            local = flat[m.offset:m.offset + m.numel].view(m.local.shape)
+            owned_values[m.fqn] = _full_tp_matrix(local, m.tp) if m.tp else local
     for key, value in raw.items():
         if key in owned_values:
             full[key] = owned_values[key].clone()

@@ -13,6 +13,7 @@ class BoundaryHooks:
     def __init__(self, name: str, module: torch.nn.Module, groups, state):
         self.name, self.module, self.groups, self.state = name, module, groups, state
         self._needs_regather = False
+        self._checked = False
         self.sync_gradients = True  # False while accumulating (no_sync)
         module._dmuon_boundary = self
         module.register_forward_pre_hook(self._pre_forward)
@@ -32,7 +33,23 @@ class BoundaryHooks:
         self.state.trace(f"{phase}:{self.name}")
 
     def _pre_forward(self, module, args):
+        if not self._checked:
+            self._check_params_in_place()
         self.unshard("forward")
+
+    def _check_params_in_place(self) -> None:
+        """Refuse a model whose dedicated params were swapped out (TP applied after DMuon)."""
+        for g in self.groups:
+            for m in g.members:
+                parent, _, attr = m.fqn[len(self.name):].lstrip(".").rpartition(".")
+                owner = self.module.get_submodule(parent) if parent else self.module
+                if getattr(owner, attr) is not m.param:
+                    raise RuntimeError(
+                        f"'{m.fqn}' was replaced after dmuon.dedicate_params (tensor "
+                        "parallelism applied after DMuon?); apply TP first, then "
+                        "dedicate_params, then fully_shard"
+                    )
+        self._checked = True
 
     def _post_forward(self, module, args, output):
         if not self.state.reshard_after_forward:

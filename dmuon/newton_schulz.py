@@ -78,7 +78,8 @@ def _standard(X: torch.Tensor, schedule) -> torch.Tensor:
     return X
 
 
-def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None) -> torch.Tensor:
+def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
+          normalise_eps: float | None = None) -> torch.Tensor:
     """NS on the m x m Gram matrix R = X Xᵀ of a wide X (m <= n).
 
     X_k = Q_k X_0 with Q_k a polynomial in R_0, so the iteration runs on m x m
@@ -88,7 +89,9 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None) -> torch.Tens
     2-7x the singular-value error of standard NS), in float32 it stays below standard
     NS in bf16. ``restart`` rebuilds X <- Q X and R once, halfway, which bounds error
     growth when the m x m iteration itself is low precision. ``gram_sum`` completes
-    X Xᵀ when X holds a shard of the matrix's columns (tensor parallel).
+    X Xᵀ when X holds a shard of the matrix's columns (tensor parallel); there X is
+    normalised here (``normalise_eps``), by ‖X‖_F² = trace(X Xᵀ), which needs no
+    communication of its own.
     """
     inner = torch.promote_types(X.dtype, torch.float32)
 
@@ -101,6 +104,9 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None) -> torch.Tens
     steps, restart_at = len(schedule), restart_index(len(schedule), restart)
     eye = torch.eye(X.size(-2), dtype=inner, device=X.device)
     R, Q = gram(X), None
+    if normalise_eps is not None:
+        norm = R.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=normalise_eps)
+        X, R = X / norm.to(X.dtype), R / (norm * norm)
     for i, (a, b, c) in enumerate(schedule):
         if i == restart_at:
             X, Q = Q.to(X.dtype) @ X, None

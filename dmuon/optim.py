@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -9,6 +10,7 @@ from torch import nn
 
 from .dedicate import get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
+from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
@@ -21,14 +23,14 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def muon_update(p, grad, buf, *, lr, weight_decay, momentum, nesterov, ns_steps,
-                ns_backend, ns_coefficients, ns_dtype, eps, adjust_lr_fn) -> None:
-    """The update rule of torch.optim.Muon on one matrix, in place."""
+def muon_update(p, grad, buf, orthogonalise, *, lr, weight_decay, momentum, nesterov,
+                adjust_lr_fn, full_shape) -> None:
+    """The update rule of torch.optim.Muon on one matrix (or its TP shard), in place."""
     buf.lerp_(grad, 1 - momentum)
     update = grad.lerp(buf, momentum) if nesterov else buf
-    ortho = newton_schulz(update, ns_steps, ns_backend, ns_coefficients, ns_dtype, eps)
+    ortho = orthogonalise(update)
     p.mul_(1 - lr * weight_decay)
-    p.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, p.shape))
+    p.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, full_shape))
 
 
 class Muon(torch.optim.Optimizer):
@@ -64,6 +66,8 @@ class Muon(torch.optim.Optimizer):
         self._state = get_state(model)
         self.replicate_async = replicate_async
         owned = list(self._state.owned_params.values())
+        self._tp_of = {id(own): m.tp for g in self._state.groups if g.is_owner
+                       for m, own in zip(g.members, g.owned) if m.tp is not None}
         others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
         muon_group = dict(
             params=owned, kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
@@ -106,13 +110,20 @@ class Muon(torch.optim.Optimizer):
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
+            tp = self._tp_of.get(id(p))
+            ns = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
+                      dtype=group["ns_dtype"], eps=group["eps"])
+            if tp is None:
+                orthogonalise = functools.partial(newton_schulz, backend=group["ns_backend"],
+                                                  **ns)
+            else:  # TP peers orthogonalise the matrix together; Gram is what makes it cheap
+                orthogonalise = functools.partial(tp_newton_schulz, shard=tp, restart=False,
+                                                  ledger=self._state.ledger, **ns)
             muon_update(
-                p, p.grad, state["momentum_buffer"], lr=group["lr"],
+                p, p.grad, state["momentum_buffer"], orthogonalise, lr=group["lr"],
                 weight_decay=group["weight_decay"], momentum=group["momentum"],
-                nesterov=group["nesterov"], ns_steps=group["ns_steps"],
-                ns_backend=group["ns_backend"], ns_coefficients=group["ns_coefficients"],
-                ns_dtype=group["ns_dtype"], eps=group["eps"],
-                adjust_lr_fn=group["adjust_lr_fn"],
+                nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"],
+                full_shape=tp.full_shape if tp else p.shape,
             )
 
 

@@ -30,6 +30,7 @@ class Assignment:
     owner_coord: tuple[int, int]  # (replicate, shard)
     numel: int
     ns_flops: int
+    tp: str | None = None  # under tensor parallelism: "gram_allreduce" or "gather"
 
 
 @dataclass
@@ -97,6 +98,7 @@ class DedicationPlan:
                     "numel": a.numel,
                     "ns_flops": a.ns_flops,
                     "boundary": a.boundary,
+                    "tp": a.tp,
                 }
                 for a in self.params.values()
             },

@@ -104,7 +104,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        self.head_dim = c.head_dim
         self.q_proj = nn.Linear(c.dim, c.n_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.dim, c.n_kv_heads * c.head_dim, bias=False)
@@ -112,16 +112,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # head counts come from the projections' outputs, which are per-rank shards under
+        # tensor parallelism (colwise q/k/v)
+        q = self.q_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        rep = self.n_heads // self.n_kv_heads
+        rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MLP(nn.Module):

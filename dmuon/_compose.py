@@ -1,5 +1,8 @@
-"""Make FSDP2's ``fully_shard`` leave dedicated params alone, and its gradient-sync
-switch drive DMuon's reduce as well.
+"""Composition with FSDP2 and TP, installed by ``import dmuon``.
+
+FSDP2's ``fully_shard`` leaves dedicated params alone, its gradient-sync switch drives
+DMuon's reduce as well, and tensor parallelism applied after ``dedicate_params`` is
+refused by name (its parallel styles would read the placeholders' freed storage).
 
 The patch wraps the helper that ``fully_shard`` uses to collect a module's managed
 params, rather than the ``fully_shard`` symbol itself: user code that imported
@@ -47,6 +50,22 @@ def _with_dmuon_sync(set_requires_gradient_sync):
     return wrapper
 
 
+def _refusing_dedicated(distribute_module):
+    @functools.wraps(distribute_module)
+    def wrapper(module, *args, **kwargs):
+        for p in module.parameters():
+            if getattr(p, "_dmuon_dedicated", False):
+                raise RuntimeError(
+                    f"tensor parallelism applied to '{p._dmuon_dedicated}' after "
+                    "dmuon.dedicate_params; apply TP first, then dedicate_params, then "
+                    "fully_shard"
+                )
+        return distribute_module(module, *args, **kwargs)
+
+    setattr(wrapper, _PATCHED, True)
+    return wrapper
+
+
 def install() -> None:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard import _fully_shard
@@ -55,6 +74,10 @@ def install() -> None:
         _fully_shard._get_modules_and_states = _with_dedicated_ignored(
             _fully_shard._get_modules_and_states
         )
+    from torch.distributed.tensor.parallel import style
+
+    if not getattr(style.distribute_module, _PATCHED, False):
+        style.distribute_module = _refusing_dedicated(style.distribute_module)
     if not getattr(FSDPModule.set_requires_gradient_sync, _PATCHED, False):
         FSDPModule.set_requires_gradient_sync = _with_dmuon_sync(
             FSDPModule.set_requires_gradient_sync

@@ -1,0 +1,89 @@
+"""Newton-Schulz on a matrix sharded by tensor parallelism (TP first, then DMuon).
+
+Each owner holds its TP shard; the owners of one matrix are the TP peers at the same DP
+slot, and they orthogonalise it together:
+
+- shard splits the longer (or equal) dimension: orient X wide with the split along its
+  columns; X Xᵀ is then the sum of the per-shard Gram matrices, one m x m all-reduce
+  per Gram computation (two with a restart), and Q X is local. Square matrices too.
+- shard splits the shorter dimension (colwise k/v under grouped-query attention): the
+  m x m Gram needs cross-shard blocks, so the shards are all-gathered, each peer runs NS
+  on the full matrix and keeps its own slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .newton_schulz import _gram, coefficient_schedule, newton_schulz
+
+GRAM_ALLREDUCE, GATHER = "gram_allreduce", "gather"
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """How a dedicated DTensor param is split on its (1-D) TP mesh."""
+
+    mesh: object
+    placements: tuple
+    full_shape: tuple[int, int]
+    shard_dim: int  # 0: rows (out, colwise), 1: columns (in, rowwise)
+
+    @property
+    def group(self):
+        return self.mesh.get_group()
+
+    @property
+    def size(self) -> int:
+        return self.mesh.size()
+
+    @property
+    def mode(self) -> str:
+        split, other = self.full_shape[self.shard_dim], self.full_shape[1 - self.shard_dim]
+        return GRAM_ALLREDUCE if split >= other else GATHER
+
+
+def tp_shard_of(param) -> TPShard | None:
+    """The TP layout of a DTensor param, or None when it is not sharded."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(param, DTensor):
+        return None
+    if param.device_mesh.ndim != 1:
+        raise ValueError(
+            f"dedicated DTensor params must live on a 1-D TP mesh, got {param.device_mesh}"
+        )
+    placement = param.placements[0]
+    if not isinstance(placement, Shard):
+        return None
+    if param.ndim != 2 or placement.dim not in (0, 1, -1, -2):
+        raise ValueError(f"unsupported TP placement {param.placements} for shape {param.shape}")
+    return TPShard(param.device_mesh, tuple(param.placements), tuple(param.shape),
+                   placement.dim % 2)
+
+
+def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, coefficients, dtype, eps,
+                     restart, ledger: comm.Ledger) -> torch.Tensor:
+    """This peer's shard of NS(full matrix), with the communication the rule needs."""
+    if shard.mode == GATHER:
+        parts = [torch.empty_like(local) for _ in range(shard.size)]
+        ledger.record("all_gather", local.numel() * local.element_size() * shard.size,
+                      shard.size, "tp", "step")
+        dist.all_gather(parts, local.contiguous(), group=shard.group)
+        full = torch.cat(parts, dim=shard.shard_dim)
+        out = newton_schulz(full, steps, "gram", coefficients, dtype, eps, restart)
+        return out.chunk(shard.size, dim=shard.shard_dim)[dist.get_rank(shard.group)]
+
+    X = (local.mT if shard.shard_dim == 0 else local).to(dtype)
+
+    def gram_sum(r: torch.Tensor) -> torch.Tensor:
+        comm.all_reduce_sum(r, shard.group, ledger, "tp", "step").wait()
+        return r
+
+    out = _gram(X, coefficient_schedule(coefficients, steps), restart, gram_sum,
+                normalise_eps=eps)
+    return out.mT if shard.shard_dim == 0 else out

@@ -1,0 +1,124 @@
+"""Tensor parallelism: dp=2 x tp=2 on 4 gloo processes, TP first, DMuon second, FSDP2 third."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _collectives import CollectiveRecorder
+from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
+
+import dmuon
+from service.local import run
+from service.models import build_model, get_config, muon_predicate
+
+STEPS, DP, TP = 10, 2, 2
+COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+           "mlp.up_proj")
+ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+
+
+def _tp_plan():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {**{n: ColwiseParallel() for n in COLWISE}, **{n: RowwiseParallel() for n in ROWWISE}}
+
+
+def _train_tp(rank, world, path=None, save_at=None, load=False):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], _tp_plan())
+    plan = dmuon.dedicate_params(model, mesh["dp"], predicate=muon_predicate)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    ledger, gathers, start = dmuon.get_ledger(model), [], 0
+    dp_rank = mesh["dp"].get_local_rank()
+    if load:
+        extra = dmuon.checkpoint.load(path, model, opt)
+        start = extra["step"]
+        sched.load_state_dict(extra["sched"])
+    for step, batch in enumerate(global_batches(STEPS)):
+        if step < start:
+            continue
+        loss_of(model, local_rows(batch, dp_rank, DP)).backward()
+        with CollectiveRecorder() as rec:
+            opt.step()
+        gathers.append([c for c in rec.calls if c[0].startswith("all_gather")])
+        sched.step()
+        opt.zero_grad()
+        if save_at == step + 1:
+            dmuon.checkpoint.save(path, model, opt,
+                                  extra={"step": step + 1, "sched": sched.state_dict()})
+    return {"full": dmuon.full_state_dict(model), "tp_bytes": ledger.last_step("tp"),
+            "gathers": gathers, "plan": plan.to_dict(), "dp_rank": dp_rank}
+
+
+@functools.cache
+def tp_run(path=None, save_at=None, load=False):
+    return run(_train_tp, path, save_at, load, world_size=DP * TP)
+
+
+def test_tp_matches_float64_reference():
+    ref, _ = reference_run(STEPS)
+    for rank, res in enumerate(tp_run()):
+        for key, value in ref.items():
+            err = ((res["full"][key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (rank, key, err)
+
+
+def test_tp_communication_follows_the_gram_rule():
+    shapes = {n: tuple(p.shape) for n, p in build_model(get_config("tiny"), device="meta")
+              .named_parameters() if muon_predicate(n, p)}
+    for res in tp_run():
+        owned = [f for f, a in res["plan"]["params"].items() if a["owner"] == res["dp_rank"]]
+        expected, gathered = 0, []
+        for fqn in owned:
+            rows, cols = shapes[fqn]
+            split = 1 if any(f".{n}." in fqn for n in ROWWISE) else 0
+            if (rows, cols)[split] >= (rows, cols)[1 - split]:  # Gram: one m x m all-reduce
+                m = (rows, cols)[1 - split]
+                expected += 2 * (TP - 1) * m * m * 8 / TP
+                assert res["plan"]["params"][fqn]["tp"] == "gram_allreduce"
+            else:  # splits the shorter dim: gathered to the owners
+                expected += (TP - 1) * rows * cols * 8 / TP
+                gathered.append(rows * cols // TP)
+                assert res["plan"]["params"][fqn]["tp"] == "gather"
+        assert res["tp_bytes"] == expected
+        for step_calls in res["gathers"]:
+            assert sorted(numel for _, numel, _, _ in step_calls) == sorted(gathered)
+
+
+def _wrong_order(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    dmuon.dedicate_params(model, mesh["dp"], predicate=muon_predicate)
+    with pytest.raises(RuntimeError) as e:
+        parallelize_module(model.model.layers[0], mesh["tp"], _tp_plan())
+    return str(e.value)
+
+
+def test_tp_after_dedicate_is_refused_by_name():
+    for msg in run(_wrong_order, world_size=DP * TP):
+        assert "'model.layers.0.self_attn.q_proj.weight'" in msg
+        assert "after dmuon.dedicate_params" in msg
+
+
+def test_tp_checkpoint_restart_is_bit_identical(tmp_path):
+    path = str(tmp_path / "tp_ckpt")
+    full = tp_run(path, save_at=5)
+    resumed = tp_run(path, load=True)
+    for a, b in zip(full, resumed):
+        for key, value in a["full"].items():
+            assert torch.equal(value, b["full"][key]), key
