@@ -26,10 +26,22 @@ class Member:
     offset: int
     numel: int
     tp: TPShard | None
+    experts: tuple[int, int] | None = None  # this unit is param[lo:hi] of a 3-D param
+
+    @property
+    def shape(self) -> torch.Size:
+        if self.experts is not None:
+            lo, hi = self.experts
+            return torch.Size((hi - lo, *self.param.shape[1:]))
+        return self.local.shape
 
     def local_grad(self) -> torch.Tensor | None:
         g = self.param.grad
-        return g.to_local() if g is not None and hasattr(g, "to_local") else g
+        if g is not None and hasattr(g, "to_local"):
+            g = g.to_local()
+        if g is not None and self.experts is not None:
+            g = g[self.experts[0]:self.experts[1]]
+        return g
 
 
 @dataclass
@@ -46,9 +58,15 @@ class RankContext:
 
 
 class PackedGroup:
-    """Params of one hook boundary that share an owner."""
+    """Params of one hook boundary that share an owner.
 
-    def __init__(self, boundary: str, owner_coord: tuple[int, int], params, ctx: RankContext):
+    A slice of experts of a 3-D param is a group of its own (``expert_base``): its packed
+    buffer is that slice of the param's storage, which the slices' groups share, so
+    the param stays one tensor while each slice comes from its own owner.
+    """
+
+    def __init__(self, boundary: str, owner_coord: tuple[int, int], params, ctx: RankContext,
+                 experts: tuple[int, int] | None = None, expert_base=None):
         self.boundary = boundary
         self.owner_replicate, self.owner_shard = owner_coord
         self.ctx = ctx
@@ -56,21 +74,31 @@ class PackedGroup:
         offset = 0
         for fqn, p in params:
             local = p._local_tensor if hasattr(p, "_local_tensor") else p
-            self.members.append(Member(fqn, p, local, offset, local.numel(), tp_shard_of(p)))
-            offset += local.numel()
-        first = self.members[0].local
+            m = Member(fqn, p, local, offset, 0, tp_shard_of(p), experts)
+            m.numel = m.shape.numel()
+            self.members.append(m)
+            offset += m.numel
         self.numel = offset
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device = params[0][1].dtype, params[0][1].device
         # Column owners (every rank of the owner's shard column) keep the full value;
         # in 1-D there is one column owner, the owner itself.
         self.is_column_owner = ctx.shard_rank == self.owner_shard
         self.is_owner = self.is_column_owner and ctx.replicate_rank == self.owner_replicate
         self.owned: list[nn.Parameter] = []
         if self.is_column_owner:
-            self.owned = [nn.Parameter(m.local.detach().clone()) for m in self.members]
-        self.packed = torch.empty(self.numel, dtype=self.dtype, device=self.device)
-        for m in self.members:
-            m.local.data = self.packed[m.offset:m.offset + m.numel].view(m.local.shape)
+            self.owned = [nn.Parameter(self._initial_value(m)) for m in self.members]
+        if expert_base is None:
+            self.storage = self.packed = torch.empty(self.numel, dtype=self.dtype,
+                                                     device=self.device)
+            for m in self.members:
+                m.local.data = self.packed[m.offset:m.offset + m.numel].view(m.shape)
+        else:
+            per_expert = self.numel // (experts[1] - experts[0])
+            self.storage = expert_base
+            self._storage_nbytes = expert_base.numel() * expert_base.element_size()
+            self._alloc()  # a sibling slice's group may have freed it already
+            self.packed = expert_base.view(-1)[experts[0] * per_expert:experts[1] * per_expert]
+        self._storage_nbytes = self.storage.numel() * self.storage.element_size()
         self.free()
         self.fresh = False  # packed buffer holds the owner's current values
         self._ready: set[int] = set()
@@ -78,22 +106,25 @@ class PackedGroup:
         self._reduce_handle = None
         self.replicate_handle = None
 
+    @staticmethod
+    def _initial_value(m: Member) -> torch.Tensor:
+        value = m.local.detach()
+        if m.experts is not None:
+            value = value[m.experts[0]:m.experts[1]]
+        return value.clone()
+
     # -- storage -----------------------------------------------------------------
     @property
-    def nbytes(self) -> int:
-        return self.numel * self.packed.element_size()
-
-    @property
     def allocated(self) -> bool:
-        return self.packed.untyped_storage().nbytes() > 0
+        return self.storage.untyped_storage().nbytes() > 0
 
     def free(self) -> None:
-        self.packed.untyped_storage().resize_(0)
+        self.storage.untyped_storage().resize_(0)
         self.fresh = False
 
     def _alloc(self) -> None:
         if not self.allocated:
-            self.packed.untyped_storage().resize_(self.nbytes)
+            self.storage.untyped_storage().resize_(self._storage_nbytes)
 
     # -- parameter broadcast ---------------------------------------------------------
     @torch.no_grad()
@@ -132,7 +163,8 @@ class PackedGroup:
             grad = m.local_grad()
             if grad is not None:
                 flat[m.offset:m.offset + m.numel].copy_(grad.reshape(-1))
-                m.param.grad = None
+                if m.experts is None:  # sibling slices still read a 3-D param's grad
+                    m.param.grad = None
         self._grad_flat = flat
         ctx = self.ctx
         self._reduce_handle = comm.reduce_sum(

@@ -56,6 +56,31 @@ def _tp_wrapped(tensor: torch.Tensor, tp) -> torch.Tensor:
                               shape=torch.Size(tp.full_shape), stride=(tp.full_shape[1], 1))
 
 
+def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A slice of experts as one entry per expert (``<fqn>[e]``, a view), so the keys do
+    not depend on how a layout sliced the param; anything else under its own name."""
+    a = plan.params.get(unit)
+    if a is None or a.experts is None:
+        return {unit: tensor}
+    lo, hi = a.experts
+    return {f"{a.param}[{e}]": tensor[e - lo] for e in range(lo, hi)}
+
+
+def _global_model_keys(model: nn.Module) -> set[str]:
+    with _allow_raw_state_dict():
+        raw = model.state_dict()
+    plan = get_state(model).plan
+    keys = set()
+    for key in raw:
+        for unit in plan.param_fqns.get(key, [key]):
+            a = plan.params.get(unit)
+            if a is not None and a.experts is not None:
+                keys.update(f"{key}[{e}]" for e in range(*a.experts))
+            else:
+                keys.add(key)
+    return keys
+
+
 def _scalar_dtype() -> torch.dtype:
     # what torch.optim.AdamW uses for its "step" counter
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -75,21 +100,25 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
     tp_of = {m.fqn: m.tp for g in state.groups for m in g.members if m.tp is not None}
     column_owned = {m.fqn: _tp_wrapped(own, m.tp) for g in state.groups if g.is_column_owner
                     for m, own in zip(g.members, g.owned)}
+    units_of = state.plan.param_fqns
     model_sd = {}
     for key, value in raw.items():
-        if key in state.plan.params:
-            if key in column_owned:
-                model_sd[key] = column_owned[key]
-        else:
+        if key not in units_of:
             model_sd[key] = value
+        for unit in units_of.get(key, ()):
+            if unit in column_owned:
+                model_sd.update(_by_expert(state.plan, unit, column_owned[unit]))
     _ensure_optimizer_state(model, optimizer)
     names = _param_fqns(model)
     names.update({id(own): fqn for fqn, own in state.owned_params.items()})
+    optim_state = {}
+    for p, s in optimizer.state.items():
+        for name, value in s.items():
+            value = _tp_wrapped(value, tp_of.get(names[id(p)]))
+            for key, v in _by_expert(state.plan, names[id(p)], value).items():
+                optim_state.setdefault(key, {})[name] = v
     optim_sd = {
-        "state": {
-            names[id(p)]: {k: _tp_wrapped(v, tp_of.get(names[id(p)])) for k, v in s.items()}
-            for p, s in optimizer.state.items()
-        },
+        "state": optim_state,
         "param_groups": [
             {k: v for k, v in g.items() if k not in _GROUP_KEYS_SKIPPED}
             for g in optimizer.param_groups
@@ -202,8 +231,7 @@ def _check_keys(path: str, flat: dict, model: nn.Module) -> None:
     """Name what this model needs and the checkpoint lacks, and what it has in excess."""
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = [k for k in flat if k not in meta]
-    with _allow_raw_state_dict():
-        model_keys = {f"model/{k}" for k in model.state_dict()}
+    model_keys = {f"model/{k}" for k in _global_model_keys(model)}
     unexpected = [k for k in meta if k.startswith("model/") and k not in model_keys]
     mismatched = [
         f"{k}: checkpoint {tuple(meta[k].size)} != model {tuple(v.shape)}"

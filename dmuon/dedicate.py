@@ -44,7 +44,8 @@ class DMuonState:
         }
 
     def live_packed_bytes(self) -> int:
-        return sum(g.packed.untyped_storage().nbytes() for g in self.groups)
+        storages = {id(g.storage): g.storage.untyped_storage().nbytes() for g in self.groups}
+        return sum(storages.values())
 
     def trace(self, event: str) -> None:
         if self.memory_trace is not None:
@@ -56,6 +57,9 @@ class DMuonState:
             if not g.reduce_pending and g.has_local_grads():
                 g.start_reduce()
         for g in self.groups:
+            for m in g.members:
+                if m.experts is not None:  # every slice has taken its part by now
+                    m.param.grad = None
             g.finish_reduce()
 
     def after_step(self, replicate_async: bool) -> None:
@@ -99,6 +103,28 @@ def _check_not_fully_sharded(model: nn.Module) -> None:
             )
 
 
+def _boundary_groups(plan, boundary, units, params, ctx) -> list[PackedGroup]:
+    """One packed group per owner of the boundary's matrices, plus one per slice of
+    experts of each 3-D param (the slices share that param's storage)."""
+    by_owner: dict[int, list] = {}
+    groups, expert_bases = [], {}
+    for unit in units:
+        a = plan.params[unit]
+        if a.experts is None:
+            by_owner.setdefault(a.owner, []).append((unit, params[unit]))
+            continue
+        param = params[a.param]
+        if a.param not in expert_bases:
+            expert_bases[a.param] = torch.empty_like(param.detach())
+        groups.append(PackedGroup(boundary, a.owner_coord, [(unit, param)], ctx,
+                                  experts=a.experts, expert_base=expert_bases[a.param]))
+    for fqn, base in expert_bases.items():
+        params[fqn].data = base  # after the slices' owners took their initial values
+    groups += [PackedGroup(boundary, plan.params[members[0][0]].owner_coord, members, ctx)
+               for _, members in sorted(by_owner.items())]
+    return groups
+
+
 def _rank_context(mesh, replicate_mesh) -> RankContext:
     if mesh.ndim != 1:
         raise ValueError(
@@ -139,21 +165,15 @@ def dedicate_params(
         hook_boundary_strict=hook_boundary_strict,
     )
     params = dict(model.named_parameters())
-    for fqn in plan.params:
+    for fqn in plan.param_fqns:
         if params[fqn].is_meta:
             raise ValueError(
                 f"'{fqn}' is on the meta device: dedicate_params needs materialised "
                 "parameters (use dmuon.partition to plan a meta model)"
             )
     state = DMuonState(plan, ctx, reshard_after_forward)
-    for boundary, fqns in plan.boundaries.items():
-        by_owner: dict[int, list] = {}
-        for fqn in fqns:
-            by_owner.setdefault(plan.params[fqn].owner, []).append((fqn, params[fqn]))
-        groups = [
-            PackedGroup(boundary, plan.params[members[0][0]].owner_coord, members, ctx)
-            for _, members in sorted(by_owner.items())
-        ]
+    for boundary, units in plan.boundaries.items():
+        groups = _boundary_groups(plan, boundary, units, params, ctx)
         state.groups.extend(groups)
         state.boundaries[boundary] = BoundaryHooks(
             boundary, model.get_submodule(boundary), groups, state
@@ -162,7 +182,7 @@ def dedicate_params(
         for m in g.members:
             if m.tp is not None:
                 plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
-    for fqn in plan.params:
+    for fqn in plan.param_fqns:
         setattr(params[fqn], _DEDICATED_ATTR, fqn)  # truthy, and names it in errors
     _install_state_dict_guard(model, plan)
     setattr(model, _STATE_ATTR, state)
@@ -190,7 +210,7 @@ def _allow_raw_state_dict():
 
 
 def _install_state_dict_guard(model: nn.Module, plan: DedicationPlan) -> None:
-    parents = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in plan.params}
+    parents = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in plan.param_fqns}
 
     def refuse(action):
         def hook(module, *args, **kwargs):
@@ -230,8 +250,11 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         comm.broadcast(flat, g.owner_shard, state.ctx.shard_group, state.ledger,
                        "shard", "state_dict").wait()
         for m in g.members:
-            local = flat[m.offset:m.offset + m.numel].view(m.local.shape)
+            local = flat[m.offset:m.offset + m.numel].view(m.shape)
             owned_values[m.fqn] = _full_tp_matrix(local, m.tp) if m.tp else local
+    for fqn, units in state.plan.param_fqns.items():
+        if units != [fqn]:  # a 3-D param from its slices of experts
+            owned_values[fqn] = torch.cat([owned_values.pop(u) for u in units])
     for key, value in raw.items():
         if key in owned_values:
             full[key] = owned_values[key].clone()

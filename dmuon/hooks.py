@@ -41,7 +41,8 @@ class BoundaryHooks:
         """Refuse a model whose dedicated params were swapped out (TP applied after DMuon)."""
         for g in self.groups:
             for m in g.members:
-                parent, _, attr = m.fqn[len(self.name):].lstrip(".").rpartition(".")
+                fqn = m.fqn.split("[")[0]  # a slice of experts names its param first
+                parent, _, attr = fqn[len(self.name):].lstrip(".").rpartition(".")
                 owner = self.module.get_submodule(parent) if parent else self.module
                 if getattr(owner, attr) is not m.param:
                     raise RuntimeError(

@@ -122,7 +122,7 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
-    backend: str = "gram",
+    backend: str = "standard",
     coefficients="quintic",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
@@ -131,9 +131,10 @@ def newton_schulz(
     """Approximate the orthogonal polar factor U Vᵀ of ``G`` (2-D, or 3-D batched over
     its first dim: each (out, in) slice on its own) in ``dtype``.
 
-    ``backend="gram"`` iterates on the small Gram matrix (fewer FLOPs for rectangular
-    matrices, see ``ns_flops``); square matrices fall back to ``"standard"``, the
-    iteration of Keller Jordan's Muon as in ``torch.optim.Muon``.
+    ``backend="standard"`` is the iteration of Keller Jordan's Muon as in
+    ``torch.optim.Muon``; ``"gram"`` iterates on the small Gram matrix (fewer FLOPs for
+    rectangular matrices, see ``ns_flops``, but less accurate on ill-conditioned inputs:
+    see the README) and falls back to standard for square matrices.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a 2-D matrix (or 3-D batch), got {tuple(G.shape)}")
@@ -158,7 +159,7 @@ def _gram_matmuls(steps: int, restart: bool) -> int:
     return count
 
 
-def ns_flops(shape, steps: int = 5, backend: str = "gram", restart: bool = False) -> int:
+def ns_flops(shape, steps: int = 5, backend: str = "standard", restart: bool = False) -> int:
     """Matmul FLOPs of one NS call, counted as FlopCounterMode does (2 per multiply-add)."""
     check_backend(backend)
     m, n = sorted(int(d) for d in shape[-2:])

@@ -111,11 +111,11 @@ class Muon(torch.optim.Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad)
             tp = self._tp_of.get(id(p))
-            ns = dict(steps=group["ns_steps"], coefficients=group["ns_coefficients"],
-                      dtype=group["ns_dtype"], eps=group["eps"])
+            ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
+                      coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
+                      eps=group["eps"])
             if tp is None:
-                orthogonalise = functools.partial(newton_schulz, backend=group["ns_backend"],
-                                                  **ns)
+                orthogonalise = functools.partial(newton_schulz, **ns)
             else:  # TP peers orthogonalise the matrix together; Gram is what makes it cheap
                 orthogonalise = functools.partial(tp_newton_schulz, shard=tp, restart=False,
                                                   ledger=self._state.ledger, **ns)

@@ -23,7 +23,7 @@ _LAYER_FQN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+(?=\.)")
 class Assignment:
     """One Muon-target parameter and its owner."""
 
-    fqn: str
+    fqn: str  # the unit: a parameter's FQN, or "<fqn>[lo:hi]" for a slice of experts
     shape: tuple[int, ...]
     boundary: str
     owner: int
@@ -31,6 +31,8 @@ class Assignment:
     numel: int
     ns_flops: int
     tp: str | None = None  # under tensor parallelism: "gram_allreduce" or "gather"
+    param: str = ""  # the parameter's FQN (== fqn unless this is a slice of experts)
+    experts: tuple[int, int] | None = None  # [lo, hi) of a 3-D (experts, out, in) param
 
 
 @dataclass
@@ -77,6 +79,14 @@ class DedicationPlan:
             out.setdefault(a.boundary, []).append(a.fqn)
         return out
 
+    @property
+    def param_fqns(self) -> dict[str, list[str]]:
+        """Parameter FQN -> its units (one, or its expert slices in order)."""
+        out: dict[str, list[str]] = {}
+        for a in self.params.values():
+            out.setdefault(a.param, []).append(a.fqn)
+        return out
+
     def owner_of(self, fqn: str) -> int:
         return self.params[fqn].owner
 
@@ -99,6 +109,8 @@ class DedicationPlan:
                     "ns_flops": a.ns_flops,
                     "boundary": a.boundary,
                     "tp": a.tp,
+                    "param": a.param,
+                    "experts": list(a.experts) if a.experts else None,
                 }
                 for a in self.params.values()
             },
@@ -125,11 +137,11 @@ def select_params(model: nn.Module, predicate) -> list[tuple[str, nn.Parameter]]
     for name, param in model.named_parameters():
         if not predicate(name, param):
             continue
-        if param.ndim != 2:
+        if param.ndim not in (2, 3):
             raise ValueError(
                 f"predicate selected '{name}' with shape {tuple(param.shape)}: DMuon "
-                "orthogonalises 2-D matrices only; exclude it from the predicate so AdamW "
-                "handles it"
+                "orthogonalises 2-D matrices (and 3-D (experts, out, in) stacks) only; "
+                "exclude it from the predicate so AdamW handles it"
             )
         selected.append((name, param))
     return selected
@@ -190,29 +202,41 @@ def lpt_assign(
     return owner
 
 
+def expert_units(fqn: str, shape, slots: int) -> list[tuple[str, tuple, tuple[int, int]]]:
+    """A 3-D (experts, out, in) param as up to ``slots`` contiguous slices of experts."""
+    experts = int(shape[0])
+    chunks = min(experts, slots)
+    bounds = [experts * i // chunks for i in range(chunks + 1)]
+    return [(f"{fqn}[{lo}:{hi}]", (hi - lo, *shape[1:]), (lo, hi))
+            for lo, hi in zip(bounds, bounds[1:])]
+
+
 def plan_from_shapes(
     entries: list[tuple[str, tuple[int, ...], str]],
     shard_size: int,
     replicate_size: int = 1,
     ns_steps: int = 5,
 ) -> DedicationPlan:
-    """Plan from (fqn, shape, boundary) triples in registration order."""
+    """Plan from (fqn, shape, boundary) triples in registration order. 3-D params are
+    split into slices of experts, each a unit of the partition."""
     if shard_size < 1 or replicate_size < 1:
         raise ValueError(f"shard_size={shard_size}, replicate_size={replicate_size} must be >= 1")
     slots = shard_size * replicate_size
-    numels = {fqn: _numel(shape) for fqn, shape, _ in entries}
-    owners = lpt_assign([(f, numels[f], b) for f, _, b in entries], slots)
-    plan = DedicationPlan(shard_size, replicate_size)
+    units = []  # (unit, shape, boundary, param fqn, experts)
     for fqn, shape, boundary in entries:
-        slot = owners[fqn]
-        plan.params[fqn] = Assignment(
-            fqn=fqn,
-            shape=tuple(shape),
-            boundary=boundary,
-            owner=slot,
-            owner_coord=(slot // shard_size, slot % shard_size),
-            numel=numels[fqn],
-            ns_flops=ns_flops(shape, ns_steps),
+        if len(shape) == 3:
+            units += [(u, s, boundary, fqn, r) for u, s, r in expert_units(fqn, shape, slots)]
+        else:
+            units.append((fqn, tuple(shape), boundary, fqn, None))
+    numels = {u[0]: _numel(u[1]) for u in units}
+    owners = lpt_assign([(u[0], numels[u[0]], u[2]) for u in units], slots)
+    plan = DedicationPlan(shard_size, replicate_size)
+    for unit, shape, boundary, fqn, experts in units:
+        slot = owners[unit]
+        plan.params[unit] = Assignment(
+            fqn=unit, shape=tuple(shape), boundary=boundary, owner=slot,
+            owner_coord=(slot // shard_size, slot % shard_size), numel=numels[unit],
+            ns_flops=ns_flops(shape, ns_steps), param=fqn, experts=experts,
         )
     return plan
 

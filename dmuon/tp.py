@@ -66,8 +66,8 @@ def tp_shard_of(param) -> TPShard | None:
                    placement.dim % 2)
 
 
-def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, coefficients, dtype, eps,
-                     restart, ledger: comm.Ledger) -> torch.Tensor:
+def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coefficients, dtype,
+                     eps, restart, ledger: comm.Ledger) -> torch.Tensor:
     """This peer's shard of NS(full matrix), with the communication the rule needs."""
     if shard.mode == GATHER:
         parts = [torch.empty_like(local) for _ in range(shard.size)]
@@ -75,7 +75,7 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, coefficients
                       shard.size, "tp", "step")
         dist.all_gather(parts, local.contiguous(), group=shard.group)
         full = torch.cat(parts, dim=shard.shard_dim)
-        out = newton_schulz(full, steps, "gram", coefficients, dtype, eps, restart)
+        out = newton_schulz(full, steps, backend, coefficients, dtype, eps, restart)
         return out.chunk(shard.size, dim=shard.shard_dim)[dist.get_rank(shard.group)]
 
     X = (local.mT if shard.shard_dim == 0 else local).to(dtype)
