@@ -46,3 +46,13 @@ def batch_at(corpus: torch.Tensor, step: int, batch_size: int, seq_len: int,
     starts = torch.randint(0, corpus.numel() - seq_len - 1, (batch_size,), generator=g)
     idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
     return corpus[idx].long()
+
+
+def load_text_corpus(path: str, split: str = "train") -> torch.Tensor:
+    """A text file's bytes; the last 5% is validation."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    data = pathlib.Path(path).read_bytes()
+    cut = len(data) * 95 // 100
+    part = data[:cut] if split == "train" else data[cut:]
+    return torch.frombuffer(bytearray(part), dtype=torch.uint8).clone()

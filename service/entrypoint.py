@@ -1,0 +1,153 @@
+"""Run a job spec on Ray Train: ``python -m service.entrypoint --spec job.yaml``.
+
+Works under ``ray job submit --address ... --working-dir . -- python -m service.entrypoint
+--spec job.yaml`` (it attaches to the cluster the job runs on) and on its own (it then
+starts a local Ray on 127.0.0.1). The planner refuses an impossible layout before any
+worker starts. Prints one JSON line per step (every rank's record) and a final summary;
+exits non-zero on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import uuid
+
+LOOPBACK_ENV = {
+    # read when ray is imported: a local Ray then keeps 127.0.0.1 as its node address
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "GLOO_SOCKET_IFNAME": "lo",
+    "OMP_NUM_THREADS": "1",
+}
+if not os.environ.get("RAY_ADDRESS"):
+    for _key, _value in LOOPBACK_ENV.items():
+        os.environ.setdefault(_key, _value)
+
+from ray.train.v2.api.callback import UserCallback  # noqa: E402
+
+from .planner import PlacementError, inventory_from_ray, predict  # noqa: E402
+from .spec import SpecError, load_spec  # noqa: E402
+
+
+class MetricsCallback(UserCallback):
+    """On the Ray Train controller: one JSONL record per (step, rank) in
+    ``<dir>/metrics.jsonl``, one JSON line per step on stdout, optional HTTP post."""
+
+    def __init__(self, job_id: str, out_dir: str, post_url: str | None = None):
+        self.job_id, self.post_url = job_id, post_url
+        os.makedirs(out_dir, exist_ok=True)
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+
+    def after_report(self, run_context, metrics, checkpoint):
+        records = [{"job_id": self.job_id, **m} for m in metrics]
+        with open(self.path, "a") as fh:
+            for rec in records:
+                fh.write(json.dumps(rec) + "\n")
+        line = {"step": records[0]["step"],
+                "loss": sum(r["loss"] for r in records) / len(records), "ranks": records}
+        if "val_loss" in records[0]:
+            line["val_loss"] = records[0]["val_loss"]
+        print(json.dumps(line), flush=True)
+        if self.post_url:
+            _post(self.post_url, records)
+
+
+def _post(url: str, records: list[dict]) -> None:
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(records).encode(),
+                                 headers={"Content-Type": "application/json"})
+    token = os.environ.get("DMUON_API_TOKEN")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        urllib.request.urlopen(req, timeout=5).read()
+    except OSError as e:  # the JSONL file keeps the record; the service re-reads it
+        print(f"metrics post to {url} failed: {e}", file=sys.stderr)
+
+
+def connect_ray(num_cpus: int | None = None) -> None:
+    """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback."""
+    import ray
+
+    for key, value in LOOPBACK_ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE")}}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, log_to_driver=True)
+    else:
+        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
+                 dashboard_host="127.0.0.1")
+
+
+def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
+            return_params: str | None = None, post_url: str | None = None):
+    """Plan, then fit a TorchTrainer; returns (ray Result, Placement)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from .train import train_loop_per_worker
+
+    placement = predict(spec, inventory_from_ray())
+    job_dir = os.path.join(storage, job_id)
+    config = {"spec": spec.model_dump(mode="json"), "replicate": placement.replicate,
+              "shard": placement.shard, "checkpoint_dir": os.path.join(job_dir, "dcp"),
+              "fault": fault, "return_params": return_params}
+    trainer = TorchTrainer(
+        train_loop_per_worker, train_loop_config=config,
+        scaling_config=placement.scaling_config(),
+        torch_config=TorchConfig(backend="nccl" if placement.spec.resources_per_worker.GPU
+                                 else "gloo", timeout_s=120),
+        run_config=RunConfig(
+            name=job_id, storage_path=storage,
+            failure_config=FailureConfig(max_failures=spec.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            callbacks=[MetricsCallback(job_id, job_dir, post_url)],
+        ),
+    )
+    return trainer.fit(), placement
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--spec", required=True, help="job spec, YAML or JSON")
+    ap.add_argument("--storage", default=os.environ.get("DMUON_STORAGE",
+                                                        os.path.abspath("dmuon_runs")))
+    ap.add_argument("--job-id", default=os.environ.get("DMUON_JOB_ID"))
+    ap.add_argument("--num-cpus", type=int, default=None, help="local Ray only")
+    ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
+    args = ap.parse_args(argv)
+    try:
+        spec = load_spec(args.spec)
+    except (SpecError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    connect_ray(args.num_cpus)
+    start = time.time()
+    summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
+    try:
+        result, placement = run_job(spec, job_id=job_id, storage=os.path.abspath(args.storage),
+                                    fault=os.environ.get("DMUON_TEST_FAULT"),
+                                    post_url=args.metrics_url)
+        summary.update(layout=[placement.replicate, placement.shard],
+                       final_step=(result.metrics or {}).get("step"))
+        if result.error:
+            summary.update(status="FAILED", error=str(result.error))
+    except PlacementError as e:
+        print(f"error: layout refused: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure
+        summary.update(status="FAILED", error=f"{type(e).__name__}: {e}")
+    summary["seconds"] = round(time.time() - start, 2)
+    print(json.dumps({"summary": summary}), flush=True)
+    return 0 if summary["status"] == "SUCCEEDED" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

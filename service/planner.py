@@ -1,0 +1,249 @@
+"""Placement planner: cluster inventory + job spec -> HSDP layout and per-rank predictions.
+
+The layout is R x N (replicate x shard): replicate across nodes, shard within a node,
+unless the spec asks for a factorisation. Predictions come from the model built on the
+meta device and ``dmuon.partition``, so a 70B plan needs no memory: per rank, owned
+elements and NS FLOPs, tensor bytes by kind (the kinds ``dmuon.memory_report``
+measures), and bytes per step by mesh dim and phase (what ``dmuon.get_ledger`` counts),
+with a communication time from per-link bandwidths.
+
+    python -m service.planner --model llama3-70b --nodes 8 --gpus-per-node 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+import dmuon
+
+from .models import build_model, muon_predicate
+from .spec import JobSpec, parse_spec
+
+# Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
+# direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
+BANDWIDTH = {"nvlink": 450e9, "infiniband": 50e9, "loopback": 5e9}
+_ELT = {"float32": 4, "float64": 8, "bfloat16": 2}
+
+
+class PlacementError(ValueError):
+    """A layout that cannot run on this cluster; the message says why."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    cpus: float
+    gpus: float
+    resources: dict = field(default_factory=dict)
+
+
+def inventory_from_ray() -> list[NodeInfo]:
+    """The alive nodes of the connected Ray cluster with their logical resources."""
+    import ray
+
+    nodes = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        nodes.append(NodeInfo(n["NodeID"], n["NodeManagerAddress"], res.get("CPU", 0),
+                              res.get("GPU", 0), dict(res)))
+    return nodes
+
+
+def synthetic_inventory(nodes: int, gpus_per_node: int, cpus_per_node: int = 64):
+    return [NodeInfo(f"node{i}", f"10.0.0.{i}", cpus_per_node, gpus_per_node)
+            for i in range(nodes)]
+
+
+def _slots(node: NodeInfo, spec: JobSpec) -> int:
+    """How many workers of ``spec.resources_per_worker`` fit on ``node``."""
+    req = spec.resources_per_worker
+    fits = [node.cpus // req.CPU if req.CPU else math.inf,
+            node.gpus // req.GPU if req.GPU else math.inf]
+    fits += [node.resources.get(k, 0) // v for k, v in req.custom.items() if v]
+    n = min(fits)
+    return 0 if n == math.inf else int(n)
+
+
+def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
+    """(nodes used, R, N). Refuses uneven or impossible layouts with the reason."""
+    lay = spec.layout
+    usable = [n for n in nodes if _slots(n, spec) > 0]
+    if not usable:
+        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}")
+    n_nodes = len(usable) if lay.nodes == "auto" else lay.nodes
+    if n_nodes > len(usable):
+        raise PlacementError(f"layout.nodes={n_nodes} but only {len(usable)} nodes fit a worker")
+    per_node = min(_slots(n, spec) for n in usable[:n_nodes])
+    if lay.workers_per_node != "auto":
+        if lay.workers_per_node > per_node:
+            raise PlacementError(
+                f"layout.workers_per_node={lay.workers_per_node} but a node fits only "
+                f"{per_node} workers of {spec.resources_per_worker.model_dump()}")
+        per_node = lay.workers_per_node
+    total = n_nodes * per_node
+    cluster_cpus = sum(n.cpus for n in nodes)
+    if total * spec.resources_per_worker.CPU > cluster_cpus:
+        raise PlacementError(f"{total} workers need more than the cluster's {cluster_cpus:g} CPUs")
+    R, N = n_nodes, per_node
+    if lay.replicate is not None or lay.shard is not None:
+        R = lay.replicate or total // lay.shard
+        N = lay.shard or total // lay.replicate
+        if R * N != total:
+            raise PlacementError(
+                f"{R} x {N} = {R * N} workers cannot be split evenly over {n_nodes} nodes of "
+                f"{per_node} workers ({total} in all)")
+        if per_node % N and N % per_node:
+            raise PlacementError(
+                f"shard size N={N} must divide or be a multiple of {per_node} workers per "
+                "node, so that shard groups do not straddle nodes unevenly")
+    return n_nodes, R, N
+
+
+@dataclass
+class RankPrediction:
+    rank: int
+    coord: tuple[int, int]
+    owned_elements: int
+    ns_flops: int
+    memory: dict[str, int]  # dmuon.MEMORY_KINDS at rest after a step
+    packed_peak: int  # packed-buffer bytes at the worst hook
+    ledger: dict[str, dict[str, int]]  # {dim: {phase: bytes per step}}
+    comm_seconds: float
+
+
+@dataclass
+class Placement:
+    spec: JobSpec
+    nodes: int
+    replicate: int
+    shard: int
+    plan: dmuon.DedicationPlan
+    ranks: list[RankPrediction]
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+    def scaling_config_kwargs(self) -> dict:
+        req = self.spec.resources_per_worker
+        resources = {"CPU": req.CPU, **({"GPU": req.GPU} if req.GPU else {}), **req.custom}
+        return {"num_workers": self.world_size, "use_gpu": req.GPU > 0,
+                "resources_per_worker": resources, "placement_strategy": "PACK"}
+
+    def scaling_config(self):
+        from ray.train import ScalingConfig
+
+        return ScalingConfig(**self.scaling_config_kwargs())
+
+    def table(self) -> str:
+        lines = [f"layout {self.replicate} x {self.shard} (replicate x shard) on {self.nodes} "
+                 f"nodes; imbalance {self.plan.imbalance:.4f}",
+                 f"{'rank':>5} {'(r,s)':>7} {'owned elts':>14} {'NS TFLOP':>9} "
+                 f"{'owned+mom GB':>12} {'Z2 packed GB':>12} {'Z3 peak GB':>10} "
+                 f"{'shard GB/step':>13} {'repl GB/step':>12} {'comm s':>8}"]
+        for r in self.ranks:
+            shard = sum(r.ledger.get("shard", {}).values())
+            repl = sum(r.ledger.get("replicate", {}).values())
+            lines.append(
+                f"{r.rank:>5} {str(r.coord):>7} {r.owned_elements:>14,} {r.ns_flops / 1e12:>9.2f}"
+                f" {(r.memory['owned_params'] + r.memory['momentum']) / 1e9:>12.2f}"
+                f" {self.z2_packed_bytes / 1e9:>12.2f} {r.packed_peak / 1e9:>10.2f}"
+                f" {shard / 1e9:>13.2f} {repl / 1e9:>12.2f} {r.comm_seconds:>8.4f}")
+        return "\n".join(lines)
+
+    @property
+    def z2_packed_bytes(self) -> int:
+        return self.plan.total_elements * _ELT[self.spec.precision]
+
+
+def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, int]:
+    """(FSDP2 shard storage, AdamW state) bytes: FSDP2 pads dim 0 to a multiple of N
+    and keeps each shard in a padded buffer; AdamW's zeros_like sees the unpadded rows."""
+    storage = state = 0
+    for shape in shapes:
+        rows, rest = shape[0], math.prod(shape[1:])
+        per = -(-rows // n)
+        mine = max(0, min(per, rows - rank * per))
+        storage += per * rest * elt if mine else 0
+        state += 2 * mine * rest * elt
+    return storage, state
+
+
+def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
+            inter_link="infiniband", bandwidth=None) -> Placement:
+    """Choose the layout and predict what every rank holds and moves per step."""
+    n_nodes, R, N = choose_layout(nodes, spec)
+    bw = {**BANDWIDTH, **(bandwidth or {})}
+    model = build_model(spec.llama_config(), device="meta")
+    plan = dmuon.partition(model, predicate=muon_predicate, shard_size=N, replicate_size=R)
+    elt = _ELT[spec.precision]
+    z3 = spec.dmuon.mode == "z3"
+    others = [tuple(p.shape) for n, p in model.named_parameters() if not muon_predicate(n, p)]
+    column = [0] * N
+    for a in plan.params.values():
+        column[a.owner_coord[1]] += a.numel
+    boundary_peak = max(sum(plan.params[u].numel for u in units)
+                        for units in plan.boundaries.values()) * elt
+    p_m = plan.total_elements * elt
+    owned, flops = plan.elements_per_rank, plan.ns_flops_per_rank
+    ranks = []
+    for rank in range(R * N):
+        r, s = divmod(rank, N)
+        fsdp, adamw = _fsdp_bytes(others, N, s, elt)
+        shard_phase = _per_rank_bytes(N, p_m)
+        ledger = {"shard": {"forward": shard_phase, "reduce": shard_phase,
+                            "backward": shard_phase if z3 else 0}}
+        if R > 1:
+            repl = _per_rank_bytes(R, column[s] * elt)
+            ledger["replicate"] = {"reduce": repl, "replicate": repl}
+        memory = {"packed_buffers": 0 if z3 else p_m, "owned_params": column[s] * elt,
+                  "momentum": owned[rank] * elt, "fsdp_shards": fsdp, "adamw_state": adamw}
+        seconds = (sum(ledger["shard"].values()) / bw[intra_link if N > 1 else "loopback"]
+                   + sum(ledger.get("replicate", {}).values()) / bw[inter_link])
+        ranks.append(RankPrediction(rank, (r, s), owned[rank], flops[rank], memory,
+                                    boundary_peak if z3 else p_m, ledger, seconds))
+    return Placement(spec, n_nodes, R, N, plan, ranks)
+
+
+def _per_rank_bytes(group: int, payload: int) -> int | float:
+    """(n-1)/n x payload, as an int when exact (the ledger's cost model)."""
+    value = (group - 1) * payload
+    return value // group if value % group == 0 else value / group
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    ap.add_argument("--mode", choices=("z2", "z3"), default="z3")
+    ap.add_argument("--precision", default="bfloat16", choices=sorted(_ELT))
+    ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
+    ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
+    ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
+    args = ap.parse_args(argv)
+    spec = parse_spec({"model": args.model, "precision": args.precision,
+                       "dmuon": {"mode": args.mode},
+                       "resources_per_worker": {"CPU": 1, "GPU": 1}})
+    placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
+                        bandwidth={"nvlink": args.nvlink_gbps * 1e9,
+                                   "infiniband": args.ib_gbps * 1e9})
+    table = placement.table().splitlines()
+    print("\n".join(table[:2 + args.ranks] if args.ranks else table))
+    z3 = predict(spec.model_copy(update={"dmuon": spec.dmuon.model_copy(
+        update={"mode": "z3"})}), synthetic_inventory(args.nodes, args.gpus_per_node))
+    print(f"P_M = {placement.plan.total_elements:,} elements; packed buffers per rank: "
+          f"Z2 {placement.z2_packed_bytes / 1e9:.2f} GB resident, "
+          f"Z3 {z3.ranks[0].packed_peak / 1e9:.2f} GB peak (one layer)")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

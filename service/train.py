@@ -1,0 +1,170 @@
+"""``train_loop_per_worker`` for ``ray.train.torch.TorchTrainer``.
+
+Ray Train has set up the process group (gloo on CPUs, NCCL on GPUs); this never calls
+``init_process_group``. World ranks are grouped by Ray node id, gathered from every
+worker (simulated nodes on one host share one IP, so Ray's node rank cannot tell them
+apart), and the (replicate, shard) mesh puts each shard group on one node.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+
+from .data import batch_at, load_corpus, load_text_corpus
+from .models import build_model, causal_lm_loss, muon_predicate
+from .spec import JobSpec, parse_spec
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
+FAULT_ENV = "DMUON_TEST_FAULT"  # "rank:step:marker-path": exit abruptly, once (tests only)
+
+
+def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:
+    """World ranks as ``replicate`` rows of ``shard`` ranks, each row on one node when a
+    node has at least ``shard`` workers (rows then span nodes in whole-node blocks)."""
+    by_node: dict[str, list[int]] = {}
+    for rank, node in enumerate(node_ids):
+        by_node.setdefault(node, []).append(rank)
+    ordered = [rank for ranks in by_node.values() for rank in ranks]
+    if len(ordered) != replicate * shard:
+        raise ValueError(f"{len(ordered)} workers for a {replicate} x {shard} mesh")
+    return [ordered[r * shard:(r + 1) * shard] for r in range(replicate)]
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def build_mesh(replicate: int, shard: int) -> tuple[DeviceMesh, list[str]]:
+    import ray
+
+    node_ids: list = [None] * dist.get_world_size()
+    dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
+    rows = mesh_rows(node_ids, replicate, shard)
+    mesh = DeviceMesh(_device().type, torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
+    return mesh, node_ids
+
+
+def build_training(spec: JobSpec, mesh: DeviceMesh):
+    """Model with DMuon then FSDP2 applied, and its optimizer."""
+    z3 = spec.dmuon.mode == "z3"
+    model = build_model(spec.llama_config(), dtype=_DTYPES[spec.precision], seed=spec.seed,
+                        device=_device())
+    hsdp = mesh["replicate"].size() > 1
+    dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+                          replicate_mesh=mesh["replicate"] if hsdp else None,
+                          reshard_after_forward=z3)
+    fsdp_mesh = mesh if hsdp else mesh["shard"]
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+    o = spec.optimizer.model_dump()
+    o["ns_dtype"] = _DTYPES[o["ns_dtype"]]
+    opt = dmuon.Muon(model, **o, ns_backend=spec.dmuon.ns_backend,
+                     replicate_async=spec.dmuon.replicate_async)
+    return model, opt
+
+
+def _corpus(spec: JobSpec, split: str) -> torch.Tensor:
+    if spec.data.source == "builtin":
+        return load_corpus(split)
+    return load_text_corpus(spec.data.source, split)
+
+
+def _maybe_fault(rank: int, step: int, fault: str | None) -> None:
+    if not fault:
+        return
+    f_rank, f_step, marker = fault.split(":", 2)
+    if rank == int(f_rank) and step == int(f_step) and not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(17)  # abrupt: no cleanup, no exception for Ray to catch
+
+
+@torch.no_grad()
+def validation_loss(model, spec: JobSpec, corpus, dp_rank: int, dp_size: int) -> float:
+    total = torch.zeros(1, dtype=torch.float64)
+    for i in range(spec.data.val_batches):
+        batch = batch_at(corpus, i, spec.batch_size * dp_size, spec.seq_len, seed=spec.seed + 1)
+        rows = batch[dp_rank * spec.batch_size:(dp_rank + 1) * spec.batch_size].to(_device())
+        total += causal_lm_loss(model(rows[:, :-1]), rows[:, 1:]).double().cpu()
+    dist.all_reduce(total)
+    return total.item() / (dp_size * spec.data.val_batches)
+
+
+def _record(model, opt, step, loss, elapsed, tokens) -> dict:
+    ledger = dmuon.get_ledger(model).last_step_by_phase()
+    return {
+        "step": step, "rank": dist.get_rank(), "loss": loss, "step_time_s": elapsed,
+        "tokens_per_s": tokens / elapsed if elapsed else 0.0,
+        "bytes": {f"{dim}.{phase}": n for dim, phases in ledger.items()
+                  for phase, n in phases.items()},
+        "memory": dmuon.memory_report(model, opt),
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "time": time.time(),
+    }
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+
+    spec = parse_spec(config["spec"])
+    torch.set_num_threads(int(config.get("threads", 1)))
+    mesh, node_ids = build_mesh(config["replicate"], config["shard"])
+    model, opt = build_training(spec, mesh)
+    rank = dist.get_rank()
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    dp_rank, dp_size = r * mesh["shard"].size() + s, dist.get_world_size()
+    corpus, val_corpus = _corpus(spec, "train"), _corpus(spec, "val")
+    start = _resume(model, opt)
+    ckpt_root = config.get("checkpoint_dir")
+    for step in range(start, spec.steps):
+        _maybe_fault(rank, step, config.get("fault"))
+        t0 = time.perf_counter()
+        batch = batch_at(corpus, step, spec.batch_size * dp_size, spec.seq_len, seed=spec.seed)
+        rows = batch[dp_rank * spec.batch_size:(dp_rank + 1) * spec.batch_size].to(_device())
+        loss = causal_lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        record = _record(model, opt, step + 1, loss.item(), time.perf_counter() - t0,
+                         rows[:, :-1].numel())
+        record.update(node_id=node_ids[rank], coord=[r, s])
+        if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
+            record["val_loss"] = validation_loss(model, spec, val_corpus, dp_rank, dp_size)
+        checkpoint = None
+        if ckpt_root and spec.checkpoint.interval and (step + 1) % spec.checkpoint.interval == 0:
+            checkpoint = _save(model, opt, ckpt_root, step + 1)
+        ray.train.report(record, checkpoint=checkpoint if rank == 0 else None)
+    if config.get("return_params"):
+        params = dmuon.full_state_dict(model)
+        if rank == 0:
+            torch.save(params, config["return_params"])
+
+
+def _save(model, opt, root: str, step: int):
+    """Sharded save into shared storage; rank 0 hands the directory to Ray Train."""
+    import ray.train
+
+    path = os.path.join(root, f"step_{step:06d}")
+    dmuon.checkpoint.save(path, model, opt, extra={"step": step})
+    return ray.train.Checkpoint.from_directory(path)
+
+
+def _resume(model, opt) -> int:
+    import ray.train
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as path:
+        return dmuon.checkpoint.load(path, model, opt)["step"]
