@@ -198,8 +198,9 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
         r, s = divmod(rank, N)
         fsdp, adamw = _fsdp_bytes(others, N, s, elt)
         shard_phase = _per_rank_bytes(N, p_m)
-        ledger = {"shard": {"forward": shard_phase, "reduce": shard_phase,
-                            "backward": shard_phase if z3 else 0}}
+        ledger = {"shard": {"forward": shard_phase, "reduce": shard_phase}}
+        if z3:  # the re-broadcast before each boundary's backward
+            ledger["shard"]["backward"] = shard_phase
         if R > 1:
             repl = _per_rank_bytes(R, column[s] * elt)
             ledger["replicate"] = {"reduce": repl, "replicate": repl}

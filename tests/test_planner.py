@@ -1,0 +1,124 @@
+"""Job spec validation and the placement planner (no Ray needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from service.planner import PlacementError, predict, synthetic_inventory
+from service.spec import SpecError, parse_spec
+
+GPU = {"resources_per_worker": {"CPU": 1, "GPU": 1}}
+
+
+@pytest.mark.parametrize("data,path", [
+    ({"steps": -3}, "steps"),
+    ({"model": "llama9-1t"}, "model"),
+    ({"optimizer": {"lr": 0.1, "bogus": 1}}, "optimizer.bogus"),
+    ({"optimizer": {"ns_dtype": "int8"}}, "optimizer.ns_dtype"),
+    ({"layout": {"nodes": 0}}, "layout.nodes"),
+    ({"surprise": True}, "surprise"),
+])
+def test_bad_specs_name_the_field(data, path):
+    with pytest.raises(SpecError) as e:
+        parse_spec(data)
+    assert f"{path}:" in str(e.value)
+
+
+def test_entrypoint_refuses_bad_spec_before_starting_anything(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: tiny\nsteps: -1\n")
+    proc = subprocess.run([sys.executable, "-m", "service.entrypoint", "--spec", str(spec)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "steps:" in proc.stderr
+    assert "Started a local Ray" not in proc.stderr
+
+
+@pytest.mark.parametrize("layout,nodes,cpus,reason", [
+    ({"replicate": 1, "shard": 7}, 2, 4, "cannot be split evenly"),
+    ({"nodes": 2, "workers_per_node": 4}, 2, 2, "fits only 2 workers"),
+    ({"nodes": 3}, 2, 4, "only 2 nodes"),
+])
+def test_impossible_layouts_are_refused_with_the_reason(layout, nodes, cpus, reason):
+    spec = parse_spec({"model": "tiny", "layout": layout})
+    with pytest.raises(PlacementError, match=reason):
+        predict(spec, synthetic_inventory(nodes, 0, cpus_per_node=cpus))
+
+
+def test_more_workers_than_logical_cpus_is_refused():
+    spec = parse_spec({"model": "tiny", "layout": {"nodes": 1, "workers_per_node": 4},
+                       "resources_per_worker": {"CPU": 2}})
+    with pytest.raises(PlacementError, match="fits only 2 workers"):
+        predict(spec, synthetic_inventory(1, 0, cpus_per_node=4))
+
+
+def _llama_matrices(name):
+    from service.models import get_config
+
+    c = get_config(name)
+    kv = c.n_kv_heads * c.dim // c.n_heads
+    per_layer = 2 * c.dim * c.dim + 2 * kv * c.dim + 3 * c.ffn_dim * c.dim
+    return c.n_layers * per_layer, per_layer
+
+
+@pytest.mark.parametrize("model", ["llama3-8b", "llama3-70b"])
+@pytest.mark.parametrize("nodes", [1, 2, 8, 16])
+def test_planner_bytes_follow_the_seed_formulas(model, nodes):
+    p_m, layer = _llama_matrices(model)
+    elt = 2  # bfloat16
+    for mode, passes in (("z2", 2), ("z3", 3)):
+        spec = parse_spec({"model": model, "precision": "bfloat16", "dmuon": {"mode": mode},
+                           **GPU})
+        placement = predict(spec, synthetic_inventory(nodes, 8))
+        assert (placement.replicate, placement.shard) == (nodes, 8)
+        for rank in (placement.ranks[0], placement.ranks[-1]):
+            shard = sum(rank.ledger["shard"].values())
+            assert shard == passes * 7 * p_m * elt / 8  # 2 or 3 (N-1)/N x P_M x elt
+            assert rank.memory["packed_buffers"] == (p_m * elt if mode == "z2" else 0)
+            assert rank.packed_peak == (p_m * elt if mode == "z2" else layer * elt)
+        assert "Z2 packed GB" in placement.table() and "Z3 peak GB" in placement.table()
+
+
+def test_planner_cli_prints_the_table():
+    proc = subprocess.run([sys.executable, "-m", "service.planner", "--model", "llama3-70b",
+                           "--nodes", "8", "--gpus-per-node", "8"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "layout 8 x 8 (replicate x shard) on 8 nodes" in proc.stdout
+    assert "Z3 " in proc.stdout and "peak" in proc.stdout
+
+
+def _measure(rank, world, spec_data):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from service.data import batch_at, load_corpus
+    from service.models import causal_lm_loss
+    from service.train import build_training
+
+    spec = parse_spec(spec_data)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model, opt = build_training(spec, mesh)
+    corpus = load_corpus("train", max_bytes=200_000)
+    for step in range(2):
+        rows = batch_at(corpus, step, spec.batch_size * world, spec.seq_len)
+        rows = rows[rank * spec.batch_size:(rank + 1) * spec.batch_size]
+        causal_lm_loss(model(rows[:, :-1]), rows[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return dmuon.memory_report(model, opt), dmuon.get_ledger(model).last_step_by_phase()
+
+
+@pytest.mark.parametrize("mode", ["z2", "z3"])
+def test_predictions_equal_what_workers_measure(mode):
+    from service.local import run
+
+    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
+            "layout": {"replicate": 2, "shard": 2}, "batch_size": 2, "seq_len": 16}
+    placement = predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=4))
+    for rank, (memory, ledger) in enumerate(run(_measure, data)):
+        predicted = placement.ranks[rank]
+        assert memory == predicted.memory, rank
+        assert ledger == predicted.ledger, rank
