@@ -31,6 +31,7 @@ from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
 from .planner import PlacementError, inventory_from_ray, predict  # noqa: E402
 from .spec import SpecError, load_spec  # noqa: E402
+from .train import FAULT_ENV  # noqa: E402
 
 
 class MetricsCallback(UserCallback):
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
         result, placement = run_job(spec, job_id=job_id, storage=os.path.abspath(args.storage),
-                                    fault=os.environ.get("DMUON_TEST_FAULT"),
+                                    fault=os.environ.get(FAULT_ENV),
                                     post_url=args.metrics_url)
         summary.update(layout=[placement.replicate, placement.shard],
                        final_step=(result.metrics or {}).get("step"))

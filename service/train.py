@@ -24,7 +24,7 @@ from .models import build_model, causal_lm_loss, muon_predicate
 from .spec import JobSpec, parse_spec
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
-FAULT_ENV = "DMUON_TEST_FAULT"  # "rank:step:marker-path": exit abruptly, once (tests only)
+FAULT_ENV = "DMUON_TEST_FAULT"  # "rank:step:marker": exit as step begins, once (tests only)
 
 
 def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:
@@ -125,10 +125,10 @@ def train_loop_per_worker(config: dict) -> None:
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     dp_rank, dp_size = r * mesh["shard"].size() + s, dist.get_world_size()
     corpus, val_corpus = _corpus(spec, "train"), _corpus(spec, "val")
-    start = _resume(model, opt)
     ckpt_root = config.get("checkpoint_dir")
+    start = _resume(model, opt, ckpt_root)
     for step in range(start, spec.steps):
-        _maybe_fault(rank, step, config.get("fault"))
+        _maybe_fault(rank, step + 1, config.get("fault"))
         t0 = time.perf_counter()
         batch = batch_at(corpus, step, spec.batch_size * dp_size, spec.seq_len, seed=spec.seed)
         rows = batch[dp_rank * spec.batch_size:(dp_rank + 1) * spec.batch_size].to(_device())
@@ -138,7 +138,7 @@ def train_loop_per_worker(config: dict) -> None:
         opt.zero_grad()
         record = _record(model, opt, step + 1, loss.item(), time.perf_counter() - t0,
                          rows[:, :-1].numel())
-        record.update(node_id=node_ids[rank], coord=[r, s])
+        record.update(node_id=node_ids[rank], coord=[r, s], resumed_from=start)
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val_corpus, dp_rank, dp_size)
         checkpoint = None
@@ -160,9 +160,23 @@ def _save(model, opt, root: str, step: int):
     return ray.train.Checkpoint.from_directory(path)
 
 
-def _resume(model, opt) -> int:
+def latest_committed(root: str | None) -> str | None:
+    """The newest complete checkpoint under ``root`` (``save`` commits by rename)."""
+    if not root or not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and "." not in d
+                  and os.path.isfile(os.path.join(root, d, dmuon.checkpoint.MANIFEST)))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def _resume(model, opt, checkpoint_dir: str | None) -> int:
+    """Resume from the newest committed checkpoint. Ray Train's latest registered one can
+    lag behind it: a report still in flight when a worker dies is lost."""
     import ray.train
 
+    path = latest_committed(checkpoint_dir)
+    if path is not None:
+        return dmuon.checkpoint.load(path, model, opt)["step"]
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None:
         return 0
