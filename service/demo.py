@@ -64,6 +64,7 @@ def main() -> None:
             shard_bytes = dmuon.get_ledger(model).last_step("shard")
             print(f"step {step:3d}  loss {mean.item() / world:.4f}  step {elapsed * 1e3:7.1f} ms"
                   f"  shard bytes {int(shard_bytes):,}", flush=True)
+    dist.barrier()  # nobody closes its sockets while a peer still uses them
     dist.destroy_process_group()
 
 

@@ -75,10 +75,10 @@ def connect_ray(num_cpus: int | None = None) -> None:
     """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback."""
     import ray
 
-    for key, value in LOOPBACK_ENV.items():
-        os.environ.setdefault(key, value)
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE")}}
+    # the workers' collectives use these too (GLOO_SOCKET_IFNAME names the NIC)
+    runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE")
+                                if k in os.environ}}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, log_to_driver=True)
     else:
@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     ap.add_argument("--job-id", default=os.environ.get("DMUON_JOB_ID"))
     ap.add_argument("--num-cpus", type=int, default=None, help="local Ray only")
     ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
+    ap.add_argument("--final-params", default=None,
+                    help="write every parameter in full (torch.save) here at the end")
     args = ap.parse_args(argv)
     try:
         spec = load_spec(args.spec)
@@ -135,6 +137,7 @@ def main(argv=None) -> int:
     try:
         result, placement = run_job(spec, job_id=job_id, storage=os.path.abspath(args.storage),
                                     fault=os.environ.get(FAULT_ENV),
+                                    return_params=args.final_params,
                                     post_url=args.metrics_url)
         summary.update(layout=[placement.replicate, placement.shard],
                        final_step=(result.metrics or {}).get("step"))

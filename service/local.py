@@ -30,11 +30,13 @@ def _worker(rank, world_size, port, out_dir, fn, args, kwargs):
     )
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=PG_TIMEOUT)
-    try:
-        result = fn(rank, world_size, *args, **kwargs)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    result = fn(rank, world_size, *args, **kwargs)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    # no rank tears its sockets down while a peer may still be talking to it: gloo aborts
+    # the process ("terminate called without an active exception") when a connection
+    # closes under a collective
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run(fn, *args, world_size: int = 4, **kwargs) -> list:

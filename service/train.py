@@ -114,21 +114,18 @@ def _record(model, opt, step, loss, elapsed, tokens) -> dict:
     }
 
 
-def train_loop_per_worker(config: dict) -> None:
-    import ray.train
-
-    spec = parse_spec(config["spec"])
-    torch.set_num_threads(int(config.get("threads", 1)))
-    mesh, node_ids = build_mesh(config["replicate"], config["shard"])
+def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
+                 fault=None, node_ids=None, node_ip=None, fallback_checkpoint=None):
+    """The training loop on a built mesh; returns the model. ``report(record, path)``
+    gets every step's record and, on checkpoint steps, the committed directory."""
     model, opt = build_training(spec, mesh)
     rank = dist.get_rank()
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     dp_rank, dp_size = r * mesh["shard"].size() + s, dist.get_world_size()
     corpus, val_corpus = _corpus(spec, "train"), _corpus(spec, "val")
-    ckpt_root = config.get("checkpoint_dir")
-    start = _resume(model, opt, ckpt_root)
+    start = _resume(model, opt, checkpoint_dir, fallback_checkpoint)
     for step in range(start, spec.steps):
-        _maybe_fault(rank, step + 1, config.get("fault"))
+        _maybe_fault(rank, step + 1, fault)
         t0 = time.perf_counter()
         batch = batch_at(corpus, step, spec.batch_size * dp_size, spec.seq_len, seed=spec.seed)
         rows = batch[dp_rank * spec.batch_size:(dp_rank + 1) * spec.batch_size].to(_device())
@@ -138,26 +135,40 @@ def train_loop_per_worker(config: dict) -> None:
         opt.zero_grad()
         record = _record(model, opt, step + 1, loss.item(), time.perf_counter() - t0,
                          rows[:, :-1].numel())
-        record.update(node_id=node_ids[rank], coord=[r, s], resumed_from=start)
+        record.update(coord=[r, s], resumed_from=start,
+                      node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val_corpus, dp_rank, dp_size)
-        checkpoint = None
-        if ckpt_root and spec.checkpoint.interval and (step + 1) % spec.checkpoint.interval == 0:
-            checkpoint = _save(model, opt, ckpt_root, step + 1)
-        ray.train.report(record, checkpoint=checkpoint if rank == 0 else None)
+        path = None
+        if checkpoint_dir and spec.checkpoint.interval and \
+                (step + 1) % spec.checkpoint.interval == 0:
+            path = os.path.join(checkpoint_dir, f"step_{step + 1:06d}")
+            dmuon.checkpoint.save(path, model, opt, extra={"step": step + 1})
+        report(record, path)
+    return model
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    import ray.util
+
+    spec = parse_spec(config["spec"])
+    torch.set_num_threads(int(config.get("threads", 1)))
+    mesh, node_ids = build_mesh(config["replicate"], config["shard"])
+    rank = dist.get_rank()
+
+    def report(record, path):  # rank 0 hands the committed checkpoint to Ray Train
+        checkpoint = ray.train.Checkpoint.from_directory(path) if path and rank == 0 else None
+        ray.train.report(record, checkpoint=checkpoint)
+
+    model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
+                         fault=config.get("fault"), node_ids=node_ids,
+                         node_ip=ray.util.get_node_ip_address(),
+                         fallback_checkpoint=ray.train.get_checkpoint)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:
             torch.save(params, config["return_params"])
-
-
-def _save(model, opt, root: str, step: int):
-    """Sharded save into shared storage; rank 0 hands the directory to Ray Train."""
-    import ray.train
-
-    path = os.path.join(root, f"step_{step:06d}")
-    dmuon.checkpoint.save(path, model, opt, extra={"step": step})
-    return ray.train.Checkpoint.from_directory(path)
 
 
 def latest_committed(root: str | None) -> str | None:
@@ -169,15 +180,13 @@ def latest_committed(root: str | None) -> str | None:
     return os.path.join(root, done[-1]) if done else None
 
 
-def _resume(model, opt, checkpoint_dir: str | None) -> int:
-    """Resume from the newest committed checkpoint. Ray Train's latest registered one can
-    lag behind it: a report still in flight when a worker dies is lost."""
-    import ray.train
-
+def _resume(model, opt, checkpoint_dir: str | None, fallback=None) -> int:
+    """Resume from the newest committed checkpoint. Ray Train's latest registered one
+    (``fallback``) can lag behind it: a report still in flight when a worker dies is lost."""
     path = latest_committed(checkpoint_dir)
     if path is not None:
         return dmuon.checkpoint.load(path, model, opt)["step"]
-    checkpoint = ray.train.get_checkpoint()
+    checkpoint = fallback() if fallback else None
     if checkpoint is None:
         return 0
     with checkpoint.as_directory() as path:
