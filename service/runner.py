@@ -1,0 +1,79 @@
+"""Moves queued jobs onto Ray through its job API and keeps their status in sync.
+
+A job's id is its Ray submission id. At most ``max_running`` jobs are on Ray at a time;
+the rest wait in the service's own queue (PENDING). Statuses follow Ray's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+from .store import TERMINAL, JobStore
+
+
+class RayJobRunner:
+    def __init__(self, store: JobStore, ray_address: str, storage: str, service_url: str,
+                 max_running: int = 1, interval_s: float = 0.5):
+        from ray.job_submission import JobSubmissionClient
+
+        self.store, self.storage, self.service_url = store, storage, service_url
+        self.max_running, self.interval_s = max_running, interval_s
+        self.client = JobSubmissionClient(ray_address)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dmuon-runner", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.sync()
+            except Exception as e:  # noqa: BLE001 - keep serving; the next tick retries
+                print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
+
+    def sync(self) -> None:
+        """Reconcile running jobs with Ray, then start queued ones while there is room."""
+        running = self.store.list_jobs("RUNNING")
+        for job in running:
+            status = str(self.client.get_job_status(job["id"]).value)
+            if status in TERMINAL:
+                self.store.set_status(job["id"], status, self._message(job["id"]))
+        room = self.max_running - len(self.store.list_jobs("RUNNING"))
+        for job in sorted(self.store.list_jobs("PENDING"), key=lambda j: j["created"]):
+            if room <= 0:
+                break
+            if not job["dry_run"]:
+                self._submit(job)
+                room -= 1
+
+    def _submit(self, job: dict) -> None:
+        job_dir = os.path.join(self.storage, job["id"])
+        os.makedirs(job_dir, exist_ok=True)
+        spec_path = os.path.join(job_dir, "spec.json")
+        with open(spec_path, "w") as fh:
+            json.dump(job["spec"], fh)
+        entrypoint = (f"{sys.executable} -m service.entrypoint --spec {spec_path} "
+                      f"--storage {self.storage} --job-id {job['id']} "
+                      f"--metrics-url {self.service_url}/v1/metrics")
+        env = {k: os.environ[k] for k in ("DMUON_API_TOKEN", "GLOO_SOCKET_IFNAME",
+                                          "OMP_NUM_THREADS") if k in os.environ}
+        self.client.submit_job(entrypoint=entrypoint, submission_id=job["id"],
+                               runtime_env={"env_vars": env})
+        self.store.set_status(job["id"], "RUNNING")
+
+    def stop(self, job_id: str) -> None:
+        self.client.stop_job(job_id)
+
+    def logs(self, job_id: str) -> str:
+        return self.client.get_job_logs(job_id)
+
+    def _message(self, job_id: str) -> str | None:
+        return self.client.get_job_info(job_id).message

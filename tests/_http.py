@@ -1,0 +1,63 @@
+"""A real uvicorn serving the control plane on 127.0.0.1, and a tiny stdlib client."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from _ray import free_port
+
+
+class Service:
+    def __init__(self, root: str, token: str = "secret-token", **env):
+        self.port, self.token = free_port(), token
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.env = {**os.environ, "DMUON_API_TOKEN": token,
+                    "DMUON_DB": os.path.join(root, "dmuon.db"),
+                    "DMUON_STORAGE": os.path.join(root, "runs"),
+                    "DMUON_SERVICE_URL": self.url, **env}
+        self.proc = None
+        self.start()
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
+             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+            env=self.env, start_new_session=True)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                self.request("GET", "/healthz")
+                return
+            except OSError:
+                time.sleep(0.2)
+        raise TimeoutError("service did not start")
+
+    def kill(self, sig=signal.SIGKILL) -> None:
+        os.killpg(self.proc.pid, sig)
+        self.proc.wait(timeout=30)
+
+    def request(self, method, path, body=None, *, token=True, headers=None, timeout=30):
+        """(status, parsed JSON or text)."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if token:
+            req.add_header("Authorization", f"Bearer {self.token}")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as e:
+            status, raw = e.code, e.read()
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode()

@@ -1,0 +1,96 @@
+"""The control plane under real uvicorn on 127.0.0.1 with its SQLite store (no Ray)."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+from _http import Service
+
+TINY = {"model": "tiny", "steps": 5, "layout": {"replicate": 2, "shard": 2}}
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    service = Service(str(tmp_path_factory.mktemp("svc")))
+    yield service
+    service.kill()
+
+
+def test_health_version_and_auth(svc):
+    assert svc.request("GET", "/healthz", token=False) == (200, {"status": "ok"})
+    status, body = svc.request("GET", "/version", token=False)
+    assert status == 200 and body["dmuon"]
+    status, _ = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, token=False)
+    assert status == 401
+    status, _ = svc.request("POST", "/v1/metrics", [], token=False)
+    assert status == 401
+
+
+def test_dry_run_plans_and_reports_partition(svc):
+    status, job = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True})
+    assert status == 201 and job["status"] == "SUCCEEDED" and job["dry_run"]
+    status, part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")
+    assert status == 200 and part["layout"]["replicate"] == 2 and len(part["ranks"]) == 4
+    owners = {p["owner"] for p in part["params"].values()}
+    assert owners == {0, 1, 2, 3} and part["imbalance"] >= 1.0
+    status, plan = svc.request("POST", "/v1/plan", TINY, token=False)
+    assert status == 200 and plan["partition"]["params"] == part["params"]
+
+
+def test_idempotency_key_returns_the_same_job(svc):
+    headers = {"Idempotency-Key": "retry-me-1"}
+    first = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, headers=headers)
+    again = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, headers=headers)
+    assert first[1]["id"] == again[1]["id"]
+    ids = [j["id"] for j in svc.request("GET", "/v1/jobs")[1]]
+    assert ids.count(first[1]["id"]) == 1
+
+
+@pytest.mark.parametrize("spec,field", [
+    ({"model": "tiny", "steps": -1}, "spec.steps"),
+    ({"model": "nope"}, "spec.model"),
+    ({"model": "tiny", "optimizer": {"typo": 1}}, "spec.optimizer.typo"),
+])
+def test_invalid_specs_get_422_with_the_field_path(svc, spec, field):
+    status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
+    assert status == 422 and field in [d["field"] for d in body["detail"]]
+
+
+def test_impossible_layout_is_refused(svc):
+    spec = {**TINY, "layout": {"replicate": 1, "shard": 7}}
+    status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
+    assert status == 422 and "cannot be split evenly" in json.dumps(body)
+
+
+def test_metrics_ingest_is_deduplicated_and_streamed(svc):
+    _, job = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True})
+    records = [{"job_id": job["id"], "step": s, "rank": r, "loss": 5.0 - s}
+               for s in (1, 2) for r in range(4)]
+    assert svc.request("POST", "/v1/metrics", records)[1] == {"inserted": 8}
+    assert svc.request("POST", "/v1/metrics", records)[1] == {"inserted": 0}
+    status, stored = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")
+    assert status == 200 and [(m["step"], m["rank"]) for m in stored] == \
+        [(s, r) for s in (1, 2) for r in range(4)]
+    with urllib.request.urlopen(f"{svc.url}/v1/jobs/{job['id']}/events", timeout=30) as resp:
+        text = resp.read().decode()
+    assert text.count("event: metrics") == 8 and '"status": "SUCCEEDED"' in text
+
+
+def test_pending_job_without_ray_can_be_cancelled(svc):
+    _, job = svc.request("POST", "/v1/jobs", {"spec": TINY})
+    assert job["status"] == "PENDING"
+    status, cancelled = svc.request("POST", f"/v1/jobs/{job['id']}/cancel")
+    assert status == 200 and cancelled["status"] == "STOPPED"
+    history = svc.request("GET", f"/v1/jobs/{job['id']}")[1]["history"]
+    assert [h["status"] for h in history] == ["PENDING", "STOPPED"]
+
+
+def test_prometheus_counts_jobs_by_status(svc):
+    status, text = svc.request("GET", "/metrics", token=False)
+    counts = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("dmuon_"))
+    jobs = svc.request("GET", "/v1/jobs?limit=1000")[1]
+    assert status == 200
+    assert int(counts['dmuon_jobs{status="STOPPED"}']) == sum(j["status"] == "STOPPED"
+                                                             for j in jobs)
