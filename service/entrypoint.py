@@ -80,6 +80,9 @@ def connect_ray(num_cpus: int | None = None) -> None:
     runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE")
                                 if k in os.environ}}
     if os.environ.get("RAY_ADDRESS"):
+        # under `ray job submit` the job's own runtime env may set the same variables:
+        # combine the two rather than refuse
+        os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(runtime_env=runtime_env, log_to_driver=True)
     else:
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
