@@ -22,6 +22,7 @@ class RayJobRunner:
         self.store, self.storage, self.service_url = store, storage, service_url
         self.max_running, self.interval_s = max_running, interval_s
         self.client = JobSubmissionClient(ray_address)
+        self._offsets: dict[str, int] = {}  # bytes of each spool already ingested
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dmuon-runner", daemon=True)
 
@@ -40,11 +41,14 @@ class RayJobRunner:
                 print(f"runner: {type(e).__name__}: {e}", file=sys.stderr)
 
     def sync(self) -> None:
-        """Reconcile running jobs with Ray, then start queued ones while there is room."""
+        """Reconcile running jobs with Ray (and their metrics with the spool each job
+        writes), then start queued ones while there is room."""
         running = self.store.list_jobs("RUNNING")
         for job in running:
             status = str(self.client.get_job_status(job["id"]).value)
+            self.ingest_spool(job["id"])
             if status in TERMINAL:
+                self.ingest_spool(job["id"])  # what the job wrote before it ended
                 self.store.set_status(job["id"], status, self._message(job["id"]))
         room = self.max_running - len(self.store.list_jobs("RUNNING"))
         for job in sorted(self.store.list_jobs("PENDING"), key=lambda j: j["created"]):
@@ -68,6 +72,21 @@ class RayJobRunner:
         self.client.submit_job(entrypoint=entrypoint, submission_id=job["id"],
                                runtime_env={"env_vars": env})
         self.store.set_status(job["id"], "RUNNING")
+
+    def ingest_spool(self, job_id: str) -> int:
+        """Records from ``<storage>/<job>/metrics.jsonl`` not yet stored (posts can be
+        lost: the service may have been down)."""
+        path = os.path.join(self.storage, job_id, "metrics.jsonl")
+        offset = self._offsets.get(job_id, 0)
+        if not os.path.exists(path) or os.path.getsize(path) <= offset:
+            return 0
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+        complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
+        self._offsets[job_id] = offset + len(complete)
+        records = [json.loads(line) for line in complete.decode().splitlines() if line]
+        return self.store.add_metrics(records) if records else 0
 
     def stop(self, job_id: str) -> None:
         self.client.stop_job(job_id)

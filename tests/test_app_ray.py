@@ -62,3 +62,24 @@ def test_submit_follow_events_to_success_and_cancel_another(stack):
     status, logs = svc.request("GET", f"/v1/jobs/{job['id']}/logs")
     assert status == 200 and '"summary"' in logs
     assert svc.request("GET", f"/v1/jobs/{job['id']}/logs", token=False)[0] == 401
+
+
+def test_sigkill_restart_keeps_jobs_and_metrics_and_reconciles(stack):
+    svc = stack
+    _, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 30}})
+    deadline = time.time() + 240
+    while time.time() < deadline and len(svc.request(
+            "GET", f"/v1/jobs/{job['id']}/metrics")[1]) < 4 * 3:
+        time.sleep(0.3)
+    before = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    assert len(before) >= 12
+    svc.kill()  # SIGKILL while the job runs; its posts fail meanwhile, its spool goes on
+    time.sleep(3)
+    svc.start()
+    assert svc.request("GET", f"/v1/jobs/{job['id']}")[1]["status"] in ("RUNNING",
+                                                                       "SUCCEEDED")
+    assert _wait_status(svc, job["id"], {"SUCCEEDED"}) == "SUCCEEDED"
+    after = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    keys = [(m["step"], m["rank"]) for m in after]
+    assert keys == [(s, r) for s in range(1, 31) for r in range(4)]  # none lost, no dups
+    assert all(m in after for m in before)
