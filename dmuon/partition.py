@@ -47,19 +47,19 @@ class DedicationPlan:
     def world_size(self) -> int:
         return self.shard_size * self.replicate_size
 
-    @property
-    def elements_per_rank(self) -> list[int]:
+    def _per_rank(self, attr: str) -> list[int]:
         out = [0] * self.world_size
         for a in self.params.values():
-            out[a.owner] += a.numel
+            out[a.owner] += getattr(a, attr)
         return out
 
     @property
+    def elements_per_rank(self) -> list[int]:
+        return self._per_rank("numel")
+
+    @property
     def ns_flops_per_rank(self) -> list[int]:
-        out = [0] * self.world_size
-        for a in self.params.values():
-            out[a.owner] += a.ns_flops
-        return out
+        return self._per_rank("ns_flops")
 
     @property
     def total_elements(self) -> int:
