@@ -29,7 +29,6 @@ class Ledger:
     def __init__(self) -> None:
         self._current: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
         self._last: dict[tuple[str, str], Fraction] = {}
-        self._calls: dict[tuple[str, str], int] = defaultdict(int)
         self.steps_closed = 0
 
     def record(self, op: str, payload_bytes: int, group_size: int, dim: str, phase: str):
@@ -37,7 +36,6 @@ class Ledger:
             raise ValueError(f"unknown ledger key dim={dim!r} phase={phase!r}")
         wire = Fraction(_FACTOR[op] * (group_size - 1) * payload_bytes, group_size)
         self._current[(dim, phase)] += wire
-        self._calls[(op, dim)] += 1
 
     def close_step(self) -> None:
         """End the step: its counts become ``last_step`` and a new step starts at zero."""
@@ -67,18 +65,11 @@ class Ledger:
             out.setdefault(d, {})[p] = int(v) if v.denominator == 1 else float(v)
         return out
 
-    @property
-    def calls(self) -> dict[tuple[str, str], int]:
-        return dict(self._calls)
-
 
 class _Done:
     """A finished handle, for collectives that need no communication (group of 1)."""
 
     def wait(self) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
         return True
 
 
