@@ -28,6 +28,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m bench.core
 	$(PY) -m bench.ns
+	$(PY) -m bench.api
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench

@@ -94,3 +94,58 @@ def test_prometheus_counts_jobs_by_status(svc):
     assert status == 200
     assert int(counts['dmuon_jobs{status="STOPPED"}']) == sum(j["status"] == "STOPPED"
                                                              for j in jobs)
+
+
+def test_500_concurrent_submissions_lose_nothing(svc):
+    from concurrent.futures import ThreadPoolExecutor
+
+    def submit(i):
+        key = {"Idempotency-Key": f"load-{i // 3}"} if i % 3 else {}  # a third retried
+        return svc.request("POST", "/v1/jobs",
+                           {"spec": {**TINY, "name": f"load-{i}"}, "dry_run": True},
+                           headers=key, timeout=120)
+
+    before = {j["id"] for j in svc.request("GET", "/v1/jobs?limit=100000")[1]}
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        results = list(pool.map(submit, range(500)))
+    assert all(status == 201 for status, _ in results), {s for s, _ in results}
+    ids = [job["id"] for _, job in results]
+    keyed = {}
+    for i, job_id in enumerate(ids):
+        if i % 3:
+            keyed.setdefault(i // 3, set()).add(job_id)
+    assert all(len(v) == 1 for v in keyed.values())  # retries with a key: one job each
+    expected = len({job_id for i, job_id in enumerate(ids) if i % 3 == 0}) + len(keyed)
+    stored = {j["id"] for j in svc.request("GET", "/v1/jobs?limit=100000")[1]} - before
+    assert stored == set(ids) and len(stored) == expected
+
+
+def test_cli_submit_status_plan_cancel(svc, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("model: tiny\nsteps: 5\nlayout: {replicate: 2, shard: 2}\n")
+    env = {**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, "-m", "service.cli", *args], env=env,
+                              capture_output=True, text=True, timeout=60)
+
+    submitted = cli("submit", str(spec), "--dry-run", "--follow")
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.split()[0]
+    assert f"{job_id}: SUCCEEDED" in submitted.stdout
+    assert "SUCCEEDED" in cli("status", job_id).stdout
+    assert json.loads(cli("plan", str(spec)).stdout) == {"replicate": 2, "shard": 2,
+                                                         "nodes": 1}
+    pending = cli("submit", str(spec)).stdout.split()[0]
+    assert cli("cancel", pending).stdout.strip() == "STOPPED"
+    spec.write_text("model: tiny\nsteps: 0\n")
+    bad = cli("submit", str(spec))
+    assert bad.returncode == 1 and "steps:" in bad.stderr
+    denied = subprocess.run([sys.executable, "-m", "service.cli", "cancel", pending],
+                            env={**env, "DMUON_API_TOKEN": "wrong"}, capture_output=True,
+                            text=True, timeout=60)
+    assert denied.returncode == 1 and "401" in denied.stderr

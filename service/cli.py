@@ -1,0 +1,132 @@
+"""``dmuon-svc``: the control plane from a terminal.
+
+    dmuon-svc submit job.yaml [--follow] [--dry-run]
+    dmuon-svc status [JOB_ID]
+    dmuon-svc logs [-f] JOB_ID
+    dmuon-svc cancel JOB_ID
+    dmuon-svc plan job.yaml
+
+The service is at ``DMUON_URL`` (default http://127.0.0.1:8000); ``DMUON_API_TOKEN`` is
+sent as the bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+from .spec import SpecError, load_spec
+
+
+class ServiceError(RuntimeError):
+    pass
+
+
+def _request(method: str, path: str, body=None, *, stream=False):
+    url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
+    req = urllib.request.Request(url, method=method,
+                                 data=json.dumps(body).encode() if body is not None else None,
+                                 headers={"Content-Type": "application/json"})
+    token = os.environ.get("DMUON_API_TOKEN")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        resp = urllib.request.urlopen(req, timeout=None if stream else 60)
+    except urllib.error.HTTPError as e:
+        raise ServiceError(f"{e.code} {e.reason}: {e.read().decode()[:2000]}") from None
+    except OSError as e:
+        raise ServiceError(f"cannot reach {url}: {e}") from None
+    if stream:
+        return resp
+    with resp:
+        raw = resp.read().decode()
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
+    """Progress line (step, loss, ETA) from the event stream; returns the final status."""
+    start, status = time.time(), "PENDING"
+    with _request("GET", f"/v1/jobs/{job_id}/events", stream=True) as resp:
+        event = None
+        for raw in resp:
+            line = raw.decode().rstrip("\n")
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if event == "status":
+                    status = data["status"]
+                elif data.get("rank") == 0:
+                    done = data["step"] / total_steps
+                    eta = (time.time() - start) * (1 - done) / done if done else 0
+                    bar = "#" * int(30 * done)
+                    out.write(f"\r[{bar:<30}] step {data['step']}/{total_steps} "
+                              f"loss {data['loss']:.4f} ETA {eta:5.0f}s")
+                    out.flush()
+    out.write(f"\n{job_id}: {status}\n")
+    return status
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="dmuon-svc", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("submit")
+    p.add_argument("spec")
+    p.add_argument("--follow", action="store_true")
+    p.add_argument("--dry-run", action="store_true")
+    sub.add_parser("status").add_argument("job_id", nargs="?")
+    p = sub.add_parser("logs")
+    p.add_argument("job_id")
+    p.add_argument("-f", "--follow", action="store_true")
+    sub.add_parser("cancel").add_argument("job_id")
+    sub.add_parser("plan").add_argument("spec")
+    args = ap.parse_args(argv)
+    try:
+        return _run(args)
+    except (ServiceError, SpecError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args) -> int:
+    if args.cmd in ("submit", "plan"):
+        spec = load_spec(args.spec).model_dump(mode="json")
+        if args.cmd == "plan":
+            print(json.dumps(_request("POST", "/v1/plan", spec)["layout"]))
+            return 0
+        job = _request("POST", "/v1/jobs", {"spec": spec, "dry_run": args.dry_run})
+        print(job["id"])
+        if args.follow:
+            return 0 if follow(job["id"], spec["steps"]) == "SUCCEEDED" else 1
+        return 0
+    if args.cmd == "status":
+        path = f"/v1/jobs/{args.job_id}" if args.job_id else "/v1/jobs"
+        jobs = _request("GET", path)
+        for job in jobs if isinstance(jobs, list) else [jobs]:
+            print(f"{job['id']}  {job['status']:<9}  {job['name']}")
+        return 0
+    if args.cmd == "cancel":
+        print(_request("POST", f"/v1/jobs/{args.job_id}/cancel")["status"])
+        return 0
+    shown = 0
+    while True:  # logs
+        text = _request("GET", f"/v1/jobs/{args.job_id}/logs")
+        sys.stdout.write(text[shown:])
+        sys.stdout.flush()
+        shown = len(text)
+        if not args.follow or _request("GET", f"/v1/jobs/{args.job_id}")["status"] in (
+                "SUCCEEDED", "FAILED", "STOPPED"):
+            return 0
+        time.sleep(1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
