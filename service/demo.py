@@ -19,6 +19,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from service.data import batch_at, load_corpus
+from service.local import leave_process_group
 from service.models import build_model, causal_lm_loss, get_config, muon_predicate
 
 
@@ -64,8 +65,7 @@ def main() -> None:
             shard_bytes = dmuon.get_ledger(model).last_step("shard")
             print(f"step {step:3d}  loss {mean.item() / world:.4f}  step {elapsed * 1e3:7.1f} ms"
                   f"  shard bytes {int(shard_bytes):,}", flush=True)
-    dist.barrier()  # nobody closes its sockets while a peer still uses them
-    dist.destroy_process_group()
+    leave_process_group()
 
 
 if __name__ == "__main__":
