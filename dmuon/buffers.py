@@ -87,18 +87,17 @@ class PackedGroup:
         self.owned: list[nn.Parameter] = []
         if self.is_column_owner:
             self.owned = [nn.Parameter(self._initial_value(m)) for m in self.members]
+        self.storage = expert_base if expert_base is not None else torch.empty(
+            self.numel, dtype=self.dtype, device=self.device)
+        self._storage_nbytes = self.storage.numel() * self.storage.element_size()
         if expert_base is None:
-            self.storage = self.packed = torch.empty(self.numel, dtype=self.dtype,
-                                                     device=self.device)
+            self.packed = self.storage
             for m in self.members:
                 m.local.data = self.packed[m.offset:m.offset + m.numel].view(m.shape)
         else:
             per_expert = self.numel // (experts[1] - experts[0])
-            self.storage = expert_base
-            self._storage_nbytes = expert_base.numel() * expert_base.element_size()
             self._alloc()  # a sibling slice's group may have freed it already
             self.packed = expert_base.view(-1)[experts[0] * per_expert:experts[1] * per_expert]
-        self._storage_nbytes = self.storage.numel() * self.storage.element_size()
         self.free()
         self.fresh = False  # packed buffer holds the owner's current values
         self._ready: set[int] = set()

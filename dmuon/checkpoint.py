@@ -50,10 +50,7 @@ def _tp_wrapped(tensor: torch.Tensor, tp) -> torch.Tensor:
     position rather than taking one peer's shard for the whole matrix."""
     if tp is None or tensor.ndim != 2:
         return tensor
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(tensor, tp.mesh, tp.placements, run_check=False,
-                              shape=torch.Size(tp.full_shape), stride=(tp.full_shape[1], 1))
+    return tp.as_dtensor(tensor)
 
 
 def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -191,14 +191,6 @@ def dedicate_params(
 
 # -- state dicts ---------------------------------------------------------------------
 
-def _full_tp_matrix(local: torch.Tensor, tp) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return DTensor.from_local(local, tp.mesh, tp.placements, run_check=False,
-                              shape=torch.Size(tp.full_shape),
-                              stride=(tp.full_shape[1], 1)).full_tensor()
-
-
 @contextlib.contextmanager
 def _allow_raw_state_dict():
     prev = getattr(_guard, "allowed", False)
@@ -251,7 +243,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
                        "shard", "state_dict").wait()
         for m in g.members:
             local = flat[m.offset:m.offset + m.numel].view(m.shape)
-            owned_values[m.fqn] = _full_tp_matrix(local, m.tp) if m.tp else local
+            owned_values[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
     for fqn, units in state.plan.param_fqns.items():
         if units != [fqn]:  # a 3-D param from its slices of experts
             owned_values[fqn] = torch.cat([owned_values.pop(u) for u in units])

@@ -41,6 +41,14 @@ class TPShard:
     def size(self) -> int:
         return self.mesh.size()
 
+    def as_dtensor(self, local: torch.Tensor):
+        """``local`` (this peer's shard of the matrix) as the DTensor it is a shard of."""
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(local, self.mesh, self.placements, run_check=False,
+                                  shape=torch.Size(self.full_shape),
+                                  stride=(self.full_shape[1], 1))
+
     @property
     def mode(self) -> str:
         split, other = self.full_shape[self.shard_dim], self.full_shape[1 - self.shard_dim]

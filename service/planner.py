@@ -21,12 +21,11 @@ import torch
 import dmuon
 
 from .models import build_model, muon_predicate
-from .spec import JobSpec, parse_spec
+from .spec import DTYPES, JobSpec, parse_spec
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
 # direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
 BANDWIDTH = {"nvlink": 450e9, "infiniband": 50e9, "loopback": 5e9}
-_ELT = {"float32": 4, "float64": 8, "bfloat16": 2}
 
 
 class PlacementError(ValueError):
@@ -160,7 +159,7 @@ class Placement:
 
     @property
     def z2_packed_bytes(self) -> int:
-        return self.plan.total_elements * _ELT[self.spec.precision]
+        return self.plan.total_elements * DTYPES[self.spec.precision].itemsize
 
 
 def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, int]:
@@ -183,7 +182,7 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     bw = {**BANDWIDTH, **(bandwidth or {})}
     model = build_model(spec.llama_config(), device="meta")
     plan = dmuon.partition(model, predicate=muon_predicate, shard_size=N, replicate_size=R)
-    elt = _ELT[spec.precision]
+    elt = DTYPES[spec.precision].itemsize
     z3 = spec.dmuon.mode == "z3"
     others = [tuple(p.shape) for n, p in model.named_parameters() if not muon_predicate(n, p)]
     column = [0] * N
@@ -225,7 +224,7 @@ def main(argv=None) -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--mode", choices=("z2", "z3"), default="z3")
-    ap.add_argument("--precision", default="bfloat16", choices=sorted(_ELT))
+    ap.add_argument("--precision", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")

@@ -11,9 +11,13 @@ import json
 import pathlib
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from .models import PRESETS, ModelConfig
+
+# the spec's dtype names, for `precision` and `optimizer.ns_dtype`
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
 class _Strict(BaseModel):

@@ -21,9 +21,8 @@ import dmuon
 
 from .data import batch_at, load_corpus, load_text_corpus
 from .models import build_model, causal_lm_loss, muon_predicate
-from .spec import JobSpec, parse_spec
+from .spec import DTYPES, JobSpec, parse_spec
 
-_DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 FAULT_ENV = "DMUON_TEST_FAULT"  # "rank:step:marker": exit as step begins, once (tests only)
 
 
@@ -58,7 +57,7 @@ def build_mesh(replicate: int, shard: int) -> tuple[DeviceMesh, list[str]]:
 def build_training(spec: JobSpec, mesh: DeviceMesh):
     """Model with DMuon then FSDP2 applied, and its optimizer."""
     z3 = spec.dmuon.mode == "z3"
-    model = build_model(spec.llama_config(), dtype=_DTYPES[spec.precision], seed=spec.seed,
+    model = build_model(spec.llama_config(), dtype=DTYPES[spec.precision], seed=spec.seed,
                         device=_device())
     hsdp = mesh["replicate"].size() > 1
     dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
@@ -69,7 +68,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh):
         fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     o = spec.optimizer.model_dump()
-    o["ns_dtype"] = _DTYPES[o["ns_dtype"]]
+    o["ns_dtype"] = DTYPES[o["ns_dtype"]]
     opt = dmuon.Muon(model, **o, ns_backend=spec.dmuon.ns_backend,
                      replicate_async=spec.dmuon.replicate_async)
     return model, opt
