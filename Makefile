@@ -3,27 +3,38 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+CHROMIUM ?= /usr/bin/chromium
 export OMP_NUM_THREADS ?= 1
 export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install test demo bench lint clean
+.PHONY: install test demo demo-torchrun bench lint clean
 
-$(STAMP): pyproject.toml requirements.lock
+$(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# pip (not uv/poetry): it finds the local CPU wheel of torch==2.13.0.
-	$(PY) -m pip install -q -r requirements.lock
+	$(PY) -m pip install -q -r requirements-test.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 install: $(STAMP)
 
-test: $(STAMP)
+# the dashboard test drives Debian's Chromium (never a browser downloaded by a test tool)
+$(CHROMIUM):
+	apt-get install -y -qq chromium >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
+
+test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
 
+# the control plane, its local Ray head and the default job (DEMO_EXIT_ON_FINISH=1: exit)
 demo: $(STAMP)
+	$(PY) -m service.demo
+
+# the DMuon core alone: 4 torchrun processes, no Ray, no service
+demo-torchrun: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29517 \
-		-m service.demo $(DEMO_ARGS)
+		-m service.torchrun_demo $(DEMO_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.core
@@ -34,4 +45,4 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache bench/results
+	rm -rf $(VENV) .pytest_cache bench/results demo_runs

@@ -3,10 +3,11 @@
     uvicorn service.app:create_app --factory --host 127.0.0.1 --port 8000
 
 Settings come from the environment: ``DMUON_API_TOKEN`` (bearer token for every
-mutating endpoint and for logs), ``DMUON_DB`` (SQLite path), ``DMUON_STORAGE`` (job
-directories), ``RAY_ADDRESS`` (Ray's dashboard address for the job API; unset: jobs
-are only queued), ``DMUON_MAX_RUNNING``, ``DMUON_SERVICE_URL`` (where jobs post
-metrics).
+mutating endpoint and for logs), ``DMUON_PROTECT_READS=1`` (reads need it too),
+``DMUON_DB`` (SQLite path), ``DMUON_STORAGE`` (job directories), ``RAY_ADDRESS`` (Ray's
+dashboard address for the job API; unset: the service starts a local head on 127.0.0.1,
+or with ``DMUON_LOCAL_RAY=0`` only queues jobs), ``DMUON_LOCAL_CPUS``,
+``DMUON_MAX_RUNNING``, ``DMUON_SERVICE_URL`` (where jobs post metrics).
 """
 
 from __future__ import annotations
@@ -14,34 +15,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import secrets
-from dataclasses import dataclass, field
+from typing import Literal
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from .dashboard import mount_dashboard
 from .planner import PlacementError, predict, synthetic_inventory
+from .settings import Settings
 from .spec import JobSpec
-from .store import TERMINAL, JobStore
+from .store import STATES, TERMINAL, JobStore
 
 VERSION = "0.1.0"
-
-
-@dataclass
-class Settings:
-    api_token: str | None = field(default_factory=lambda: os.environ.get("DMUON_API_TOKEN"))
-    db_path: str = field(default_factory=lambda: os.environ.get("DMUON_DB", "dmuon.db"))
-    storage: str = field(default_factory=lambda: os.path.abspath(
-        os.environ.get("DMUON_STORAGE", "dmuon_runs")))
-    ray_address: str | None = field(default_factory=lambda: os.environ.get("RAY_ADDRESS"))
-    max_running: int = field(default_factory=lambda: int(os.environ.get("DMUON_MAX_RUNNING",
-                                                                        "1")))
-    service_url: str = field(default_factory=lambda: os.environ.get(
-        "DMUON_SERVICE_URL", "http://127.0.0.1:8000"))
-    local_cpus: int = 4  # the inventory a plan assumes when no cluster is attached
 
 
 class JobSubmission(BaseModel):
@@ -53,15 +41,9 @@ class JobSubmission(BaseModel):
 def _plan(spec: JobSpec, settings: Settings) -> dict:
     """The placement as JSON: layout, per-rank predictions and the partition."""
     nodes = spec.layout.nodes if spec.layout.nodes != "auto" else 1
-    inventory = synthetic_inventory(nodes, 0, cpus_per_node=settings.local_cpus)
-    if settings.ray_address:
-        import ray
-
-        if ray.is_initialized():
-            from .planner import inventory_from_ray
-
-            inventory = inventory_from_ray()
-    placement = predict(spec, inventory)
+    # the job's entrypoint plans again on the cluster's real inventory before it starts
+    placement = predict(spec, synthetic_inventory(nodes, 0,
+                                                  cpus_per_node=settings.local_cpus))
     return {
         "layout": {"replicate": placement.replicate, "shard": placement.shard,
                    "nodes": placement.nodes},
@@ -76,10 +58,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        if settings.ray_address:
+        address = settings.ray_address
+        if address is None and settings.local_ray:
+            from .local_ray import LocalRayHead
+
+            # a separate process that outlives us: a restarted service re-attaches
+            head, reattached = await asyncio.to_thread(
+                LocalRayHead.attach_or_start, settings.storage, settings.local_cpus)
+            print(f"{'re-attached to' if reattached else 'started'} the local Ray head at "
+                  f"{head.address} (dashboard {head.dashboard})", flush=True)
+            address = head.dashboard
+        if address:
             from .runner import RayJobRunner
 
-            app.state.runner = RayJobRunner(store, settings.ray_address, settings.storage,
+            app.state.runner = RayJobRunner(store, address, settings.storage,
                                             settings.service_url, settings.max_running)
             app.state.runner.start()
         yield
@@ -104,6 +96,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             raise HTTPException(401, "missing or wrong bearer token",
                                 headers={"WWW-Authenticate": "Bearer"})
 
+    def read_access(authorization: str | None = Header(None)) -> None:
+        if settings.protect_reads:
+            require_token(authorization)
+
     def job_or_404(job_id: str) -> dict:
         job = store.get_job(job_id)
         if job is None:
@@ -120,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
         return {"dmuon": VERSION, "torch": torch.__version__}
 
-    @app.post("/v1/plan")
+    @app.post("/v1/plan", dependencies=[Depends(read_access)])
     def plan(spec: JobSpec):
         try:
             return _plan(spec, settings)
@@ -138,12 +134,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 idempotency_key=idempotency_key,
                                 status="SUCCEEDED" if body.dry_run else "PENDING")
 
-    @app.get("/v1/jobs")
-    def jobs(status: str | None = None, limit: int = 100):
+    @app.get("/v1/jobs", dependencies=[Depends(read_access)])
+    def jobs(status: Literal[STATES] | None = None,
+             limit: int = Query(100, ge=1, le=10000)):
         return [{k: v for k, v in j.items() if k != "plan"}
                 for j in store.list_jobs(status, limit)]
 
-    @app.get("/v1/jobs/{job_id}")
+    @app.get("/v1/jobs/{job_id}", dependencies=[Depends(read_access)])
     def job(job_id: str):
         found = job_or_404(job_id)
         found.pop("plan")
@@ -157,43 +154,55 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         store.set_status(job_id, "STOPPED", "cancelled")
         return store.get_job(job_id)
 
-    @app.get("/v1/jobs/{job_id}/partition")
+    @app.get("/v1/jobs/{job_id}/partition", dependencies=[Depends(read_access)])
     def partition(job_id: str):
         planned = job_or_404(job_id)["plan"]
         return {"layout": planned["layout"], "ranks": planned["ranks"],
                 **planned["partition"]}
 
-    @app.get("/v1/jobs/{job_id}/metrics")
-    def metrics(job_id: str, after_step: int = 0):
+    @app.get("/v1/jobs/{job_id}/metrics", dependencies=[Depends(read_access)])
+    def metrics(job_id: str, after_step: int = Query(0, ge=0)):
         job_or_404(job_id)
         return store.metrics(job_id, after_step)
 
     @app.get("/v1/jobs/{job_id}/logs", dependencies=[Depends(require_token)])
-    def logs(job_id: str):
-        job_or_404(job_id)
-        runner = app.state.runner
-        return PlainTextResponse(runner.logs(job_id) if runner and not
-                                 store.get_job(job_id)["dry_run"] else "")
+    def logs(job_id: str, follow: bool = False):
+        """The job driver's output; ``follow=true`` streams it until the job ends."""
+        runner = app.state.runner if not job_or_404(job_id)["dry_run"] else None
+        if runner is None or store.get_job(job_id)["status"] == "PENDING":
+            return PlainTextResponse("")
+        if follow:
+            return StreamingResponse(runner.tail(job_id), media_type="text/plain")
+        return PlainTextResponse(runner.logs(job_id))
 
-    @app.get("/v1/jobs/{job_id}/events")
-    async def events(job_id: str, poll_s: float = 0.5):
+    @app.get("/v1/jobs/{job_id}/events", dependencies=[Depends(read_access)])
+    async def events(job_id: str, poll_s: float = Query(0.5, ge=0.05, le=10),
+                     last_event_id: int = Header(0, ge=0)):
+        """Server-sent events: ``metrics`` (one per record, ``id`` = its row, so a
+        client reconnecting with ``Last-Event-ID`` misses nothing) and ``status``."""
         job_or_404(job_id)
 
         async def stream():
-            step, status = 0, None
+            row, status, quiet = last_event_id, None, 0.0
             while True:
-                for rec in store.metrics(job_id, step):
-                    step = max(step, rec["step"])
-                    yield f"event: metrics\ndata: {json.dumps(rec)}\n\n"
+                fresh = await asyncio.to_thread(store.metrics_after_row, job_id, row)
+                for row, rec in fresh:  # noqa: B020 - the cursor moves past each record
+                    quiet = 0.0
+                    yield f"id: {row}\nevent: metrics\ndata: {json.dumps(rec)}\n\n"
                 current = store.get_job(job_id)["status"]
                 if current != status:
                     status = current
                     yield f"event: status\ndata: {json.dumps({'status': status})}\n\n"
                 if status in TERMINAL:
                     return
+                if quiet >= 15:  # keeps proxies from closing an idle stream
+                    quiet = 0.0
+                    yield ": keep-alive\n\n"
                 await asyncio.sleep(poll_s)
+                quiet += poll_s
 
-        return StreamingResponse(stream(), media_type="text/event-stream")
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/metrics", dependencies=[Depends(require_token)])
     def ingest(records: list[dict]):
@@ -203,10 +212,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                       for i in bad])
         return {"inserted": store.add_metrics(records)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=[Depends(read_access)])
     def prometheus():
         lines = ["# TYPE dmuon_jobs gauge"]
         lines += [f'dmuon_jobs{{status="{s}"}} {n}' for s, n in store.counts().items()]
         return PlainTextResponse("\n".join(lines) + "\n")
 
+    mount_dashboard(app)
     return app

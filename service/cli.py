@@ -27,7 +27,7 @@ class ServiceError(RuntimeError):
     pass
 
 
-def _request(method: str, path: str, body=None, *, stream=False):
+def request(method: str, path: str, body=None, *, stream=False):
     url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
     req = urllib.request.Request(url, method=method,
                                  data=json.dumps(body).encode() if body is not None else None,
@@ -52,9 +52,10 @@ def _request(method: str, path: str, body=None, *, stream=False):
 
 
 def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
-    """Progress line (step, loss, ETA) from the event stream; returns the final status."""
-    start, status = time.time(), "PENDING"
-    with _request("GET", f"/v1/jobs/{job_id}/events", stream=True) as resp:
+    """Progress line (step, loss, ETA) from the event stream; returns the final status.
+    The ETA is the pace since the first step seen, so start-up time does not skew it."""
+    status, first = "PENDING", None
+    with request("GET", f"/v1/jobs/{job_id}/events", stream=True) as resp:
         event = None
         for raw in resp:
             line = raw.decode().rstrip("\n")
@@ -65,11 +66,12 @@ def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
                 if event == "status":
                     status = data["status"]
                 elif data.get("rank") == 0:
-                    done = data["step"] / total_steps
-                    eta = (time.time() - start) * (1 - done) / done if done else 0
-                    bar = "#" * int(30 * done)
-                    out.write(f"\r[{bar:<30}] step {data['step']}/{total_steps} "
-                              f"loss {data['loss']:.4f} ETA {eta:5.0f}s")
+                    step, now = data["step"], time.time()
+                    first = first or (step, now)
+                    pace = (now - first[1]) / (step - first[0]) if step > first[0] else 0
+                    bar = "#" * int(30 * step / total_steps)
+                    out.write(f"\r[{bar:<30}] step {step}/{total_steps} "
+                              f"loss {data['loss']:.4f} ETA {pace * (total_steps - step):5.0f}s")
                     out.flush()
     out.write(f"\n{job_id}: {status}\n")
     return status
@@ -100,29 +102,29 @@ def _run(args) -> int:
     if args.cmd in ("submit", "plan"):
         spec = load_spec(args.spec).model_dump(mode="json")
         if args.cmd == "plan":
-            print(json.dumps(_request("POST", "/v1/plan", spec)["layout"]))
+            print(json.dumps(request("POST", "/v1/plan", spec)["layout"]))
             return 0
-        job = _request("POST", "/v1/jobs", {"spec": spec, "dry_run": args.dry_run})
+        job = request("POST", "/v1/jobs", {"spec": spec, "dry_run": args.dry_run})
         print(job["id"])
         if args.follow:
             return 0 if follow(job["id"], spec["steps"]) == "SUCCEEDED" else 1
         return 0
     if args.cmd == "status":
         path = f"/v1/jobs/{args.job_id}" if args.job_id else "/v1/jobs"
-        jobs = _request("GET", path)
+        jobs = request("GET", path)
         for job in jobs if isinstance(jobs, list) else [jobs]:
             print(f"{job['id']}  {job['status']:<9}  {job['name']}")
         return 0
     if args.cmd == "cancel":
-        print(_request("POST", f"/v1/jobs/{args.job_id}/cancel")["status"])
+        print(request("POST", f"/v1/jobs/{args.job_id}/cancel")["status"])
         return 0
     shown = 0
     while True:  # logs
-        text = _request("GET", f"/v1/jobs/{args.job_id}/logs")
+        text = request("GET", f"/v1/jobs/{args.job_id}/logs")
         sys.stdout.write(text[shown:])
         sys.stdout.flush()
         shown = len(text)
-        if not args.follow or _request("GET", f"/v1/jobs/{args.job_id}")["status"] in (
+        if not args.follow or request("GET", f"/v1/jobs/{args.job_id}")["status"] in (
                 "SUCCEEDED", "FAILED", "STOPPED"):
             return 0
         time.sleep(1)

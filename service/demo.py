@@ -1,72 +1,98 @@
-"""Until the control plane exists: a 4-process CPU training under torchrun.
+"""``make demo``: the control plane with its local Ray head, and the default job on it.
 
-``make demo`` runs ``torchrun --nproc-per-node 4 -m service.demo``: the built-in model
-on the built-in corpus with DMuon on a 1-D shard mesh, printing the ownership table,
-then per step the loss, step time and DMuon's shard-group bytes.
+Starts ``dmuon-serve`` on 127.0.0.1 (which starts a Ray head on 127.0.0.1), submits the
+default job (the built-in model on 4 CPU workers, HSDP 2 x 2) over REST, prints the
+dashboard URL and follows the job with a progress line. It then keeps serving until
+Ctrl-C; with ``DEMO_EXIT_ON_FINISH=1`` it exits when the job ends (0 if it succeeded).
+On exit it stops the service and the Ray head it started, by PID.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
 import time
-from datetime import timedelta
+import urllib.request
 
-import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from . import cli
+from .local_ray import free_port, stop_recorded
 
-import dmuon
-from service.data import batch_at, load_corpus
-from service.local import leave_process_group
-from service.models import build_model, causal_lm_loss, get_config, muon_predicate
+DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
+               "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
+               "data": {"val_every": 10}, "checkpoint": {"interval": 20}}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--mode", choices=("z2", "z3"), default="z3")
-    args = parser.parse_args()
+def _port(wanted: int) -> int:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", wanted))
+            return wanted
+        except OSError:
+            return free_port()
 
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    z3 = args.mode == "z3"
 
-    model = build_model(get_config(args.model), seed=0)
-    plan = dmuon.dedicate_params(model, mesh, predicate=muon_predicate,
-                                 reshard_after_forward=z3)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-    opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
-    corpus = load_corpus("train")
-    if rank == 0:
-        print(f"DMuon-{args.mode.upper()} on {world} gloo ranks, model {args.model!r}")
-        print(plan.table(), flush=True)
+def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with code {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/healthz", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"the service at {url} did not answer /healthz in {timeout_s:.0f} s")
 
-    for step in range(args.steps):
-        start = time.perf_counter()
-        batch = batch_at(corpus, step, args.batch_size * world, args.seq_len)
-        tokens = batch[rank * args.batch_size:(rank + 1) * args.batch_size]
-        loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        elapsed = time.perf_counter() - start
-        if rank == 0:
-            shard_bytes = dmuon.get_ledger(model).last_step("shard")
-            print(f"step {step:3d}  loss {mean.item() / world:.4f}  step {elapsed * 1e3:7.1f} ms"
-                  f"  shard bytes {int(shard_bytes):,}", flush=True)
-    leave_process_group()
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main() -> int:
+    signal.signal(signal.SIGTERM, _interrupt)  # clean up as on Ctrl-C
+    root = os.path.abspath(os.environ.get("DEMO_DIR", "demo_runs"))
+    port = _port(int(os.environ.get("DEMO_PORT", "8000")))
+    url = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "DMUON_STORAGE": root, "DMUON_DB": os.path.join(root, "dmuon.db"),
+           "DMUON_API_TOKEN": os.environ.get("DMUON_API_TOKEN") or secrets.token_urlsafe(16),
+           "DMUON_LOCAL_CPUS": "4", "DMUON_PORT": str(port), "DMUON_HOST": "127.0.0.1",
+           "DMUON_SERVICE_URL": url, "DMUON_LOG_LEVEL": "warning"}
+    env.pop("RAY_ADDRESS", None)
+    os.makedirs(root, exist_ok=True)
+    os.environ.update(DMUON_URL=url, DMUON_API_TOKEN=env["DMUON_API_TOKEN"])
+    print(f"starting the control plane and a local Ray head (storage {root}) ...", flush=True)
+    service = subprocess.Popen([sys.executable, "-m", "service.serve"], env=env,
+                               start_new_session=True)
+    try:
+        _wait_healthy(url, service)
+        job = cli.request("POST", "/v1/jobs", {"spec": DEFAULT_JOB})
+        print(f"submitted {job['id']}: {DEFAULT_JOB['model']} model, HSDP 2 x 2 on 4 CPU "
+              f"workers, {DEFAULT_JOB['steps']} steps")
+        print(f"dashboard: {url}/#job={job['id']}   (API token {env['DMUON_API_TOKEN']})",
+              flush=True)
+        status = cli.follow(job["id"], DEFAULT_JOB["steps"])
+        if status != "SUCCEEDED":
+            print(cli.request("GET", f"/v1/jobs/{job['id']}/logs")[-4000:], file=sys.stderr)
+        if os.environ.get("DEMO_EXIT_ON_FINISH") == "1":
+            return 0 if status == "SUCCEEDED" else 1
+        print(f"the dashboard stays at {url}; Ctrl-C stops the service and Ray", flush=True)
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        os.killpg(service.pid, signal.SIGTERM)
+        try:
+            service.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(service.pid, signal.SIGKILL)
+        stop_recorded(root)
+        print("stopped the service and its Ray head", flush=True)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -71,7 +71,8 @@ class RayJobRunner:
                                           "OMP_NUM_THREADS") if k in os.environ}
         self.client.submit_job(entrypoint=entrypoint, submission_id=job["id"],
                                runtime_env={"env_vars": env})
-        self.store.set_status(job["id"], "RUNNING")
+        if not self.store.set_status(job["id"], "RUNNING"):
+            self.client.stop_job(job["id"])  # cancelled while we submitted it
 
     def ingest_spool(self, job_id: str) -> int:
         """Records from ``<storage>/<job>/metrics.jsonl`` not yet stored (posts can be
@@ -93,6 +94,10 @@ class RayJobRunner:
 
     def logs(self, job_id: str) -> str:
         return self.client.get_job_logs(job_id)
+
+    async def tail(self, job_id: str):
+        async for chunk in self.client.tail_job_logs(job_id):
+            yield chunk
 
     def _message(self, job_id: str) -> str | None:
         return self.client.get_job_info(job_id).message

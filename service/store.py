@@ -114,6 +114,14 @@ class JobStore:
                               "ORDER BY step, rank", (job_id, after_step)).fetchall()
             return [json.loads(r["record"]) for r in rows]
 
+    def metrics_after_row(self, job_id: str, row: int) -> list[tuple[int, dict]]:
+        """(row id, record) in arrival order after ``row``: an event stream's cursor that
+        no late rank of an earlier step can slip past."""
+        with self._connect() as db:
+            rows = db.execute("SELECT rowid, record FROM metrics WHERE job_id = ? AND "
+                              "rowid > ? ORDER BY rowid", (job_id, row)).fetchall()
+            return [(r["rowid"], json.loads(r["record"])) for r in rows]
+
     def counts(self) -> dict[str, int]:
         with self._connect() as db:
             rows = db.execute("SELECT status, COUNT(*) AS n FROM jobs GROUP BY status")

@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 
-from _ray import free_port
+from service.local_ray import free_port
 
 
 class Service:

@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import torch
-from _ray import RAY, RayHead
 
+from service.local_ray import RAY, LocalRayHead
 from service.spec import parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -25,7 +25,7 @@ SPEC = {"name": "t", "model": "tiny", "steps": 8, "batch_size": 4, "seq_len": 32
 def head():
     import ray
 
-    head = RayHead(num_cpus=4)
+    head = LocalRayHead.start(num_cpus=4)
     try:
         ray.init(address=head.address, log_to_driver=False)
         yield head

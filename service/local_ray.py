@@ -1,0 +1,152 @@
+"""A Ray head on 127.0.0.1 that the control plane starts when ``RAY_ADDRESS`` is unset.
+
+It runs as a separate ``ray start --head --block`` process in its own session, so it
+outlives the service: a restarted (even SIGKILLed) service finds it through
+``<state_dir>/ray_head.json`` and re-attaches, and running jobs go on. ``stop()`` ends
+that session and every process started with the head's private temp dir; it never runs
+``ray stop``, which would end every Ray process on the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+STATE_FILE = "ray_head.json"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie (a killed service's head may wait to be reaped by init)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@dataclass
+class LocalRayHead:
+    pid: int
+    port: int
+    dashboard_port: int
+    temp_dir: str
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def dashboard(self) -> str:
+        return f"http://127.0.0.1:{self.dashboard_port}"
+
+    @classmethod
+    def start(cls, num_cpus: int = 4, ready_timeout: float = 90) -> LocalRayHead:
+        head = cls(0, free_port(), free_port(), tempfile.mkdtemp(prefix="dmuon-ray-"))
+        env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+               "RAY_USAGE_STATS_ENABLED": "0"}
+        env.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on
+        proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
+             f"--port={head.port}", f"--num-cpus={num_cpus}", f"--temp-dir={head.temp_dir}",
+             "--dashboard-host=127.0.0.1", f"--dashboard-port={head.dashboard_port}",
+             "--disable-usage-stats"],
+            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL)
+        head.pid = proc.pid
+        deadline = time.time() + ready_timeout
+        while not head.ready():
+            if proc.poll() is not None or time.time() > deadline:
+                head.stop()
+                raise RuntimeError(f"the local Ray head did not come up (ray start exit "
+                                   f"code {proc.poll()}, temp dir {head.temp_dir})")
+            time.sleep(0.5)
+        return head
+
+    @classmethod
+    def attach_or_start(cls, state_dir: str, num_cpus: int = 4) -> tuple[LocalRayHead, bool]:
+        """The head recorded in ``state_dir`` if it still answers, else a new one;
+        the flag says whether it was re-attached."""
+        path = os.path.join(state_dir, STATE_FILE)
+        try:
+            with open(path) as fh:
+                head = cls(**json.load(fh))
+            if _alive(head.pid) and head.ready():
+                return head, True
+        except (OSError, ValueError, TypeError):
+            pass
+        head = cls.start(num_cpus)
+        os.makedirs(state_dir, exist_ok=True)
+        with open(path + ".tmp", "w") as fh:
+            json.dump(asdict(head), fh)
+        os.replace(path + ".tmp", path)
+        return head, False
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2) as resp:
+                return resp.status == 200
+        except OSError:
+            return False
+
+    def _processes(self) -> list[int]:
+        """Every process whose command line names our private temp dir."""
+        pids = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if self.temp_dir.encode() in fh.read():
+                        pids.append(int(pid))
+            except OSError:
+                continue
+        return pids
+
+    def stop(self) -> None:
+        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+            for kill, target in ((os.killpg, self.pid), *((os.kill, p)
+                                                           for p in self._processes())):
+                try:
+                    kill(target, sig)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            deadline = time.time() + wait_s
+            while time.time() < deadline and (_alive(self.pid) or self._processes()):
+                _reap(self.pid)
+                time.sleep(0.5)
+            if not _alive(self.pid) and not self._processes():
+                return
+
+
+def _reap(pid: int) -> None:
+    """Collect our child's exit status so it does not linger as a zombie."""
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass
+
+
+def stop_recorded(state_dir: str) -> bool:
+    """Stop the head recorded in ``state_dir`` (``make demo`` on exit); False if none."""
+    path = os.path.join(state_dir, STATE_FILE)
+    try:
+        with open(path) as fh:
+            head = LocalRayHead(**json.load(fh))
+    except (OSError, ValueError, TypeError):
+        return False
+    head.stop()
+    os.remove(path)
+    return True

@@ -1,0 +1,226 @@
+// The dashboard: the job list, and per job the partition (owners, memory) and the live
+// metrics from the event stream, drawn with Plotly.
+"use strict";
+
+const state = { token: localStorage.getItem("dmuonToken") || "", job: null, stream: null };
+const CHART = { displayModeBar: false, responsive: true };
+const MARGIN = { l: 60, r: 10, t: 10, b: 40 };
+
+async function api(path, options = {}) {
+  const headers = { ...(options.headers || {}) };
+  if (state.token) headers.Authorization = `Bearer ${state.token}`;
+  const resp = await fetch(path, { ...options, headers });
+  if (resp.status === 401) {
+    document.getElementById("token-form").hidden = false;
+    throw new Error("this service needs an API token");
+  }
+  if (!resp.ok) throw new Error(`${path}: ${resp.status}`);
+  return resp;
+}
+
+const fmtBytes = (n) => {
+  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
+  let i = 0;
+  while (n >= 1024 && i < units.length - 1) { n /= 1024; i += 1; }
+  return `${n.toFixed(i ? 1 : 0)} ${units[i]}`;
+};
+const esc = (text) => String(text).replace(/[&<>"']/g, (c) => `&#${c.charCodeAt(0)};`);
+const rankLabels = (n) => Array.from({ length: n }, (_, r) => `rank ${r}`);
+
+// ---- job list ---------------------------------------------------------------------
+async function refreshJobs() {
+  const jobs = await (await api("/v1/jobs?limit=50")).json();
+  const body = document.querySelector("#jobs tbody");
+  body.replaceChildren(...jobs.map((job) => {
+    const row = document.createElement("tr");
+    row.dataset.id = job.id;
+    row.className = job.id === state.job?.id ? "selected" : "";
+    const created = new Date(job.created * 1000).toLocaleTimeString();
+    row.innerHTML = `<td title="${esc(job.id)}">${esc(job.name)}</td>` +
+      `<td><span class="status ${esc(job.status)}">${esc(job.status)}</span></td>` +
+      `<td>${created}</td>`;
+    row.addEventListener("click", () => selectJob(job.id));
+    return row;
+  }));
+  const wanted = new URLSearchParams(location.hash.slice(1)).get("job");
+  if (!state.job && !state.selecting && jobs.length) selectJob(wanted || (jobs.find((j) => j.status === "RUNNING") || jobs[0]).id);
+  if (state.job) {
+    const mine = jobs.find((j) => j.id === state.job.id);
+    if (mine) showFacts({ ...state.job, status: mine.status });
+  }
+}
+
+// ---- one job ------------------------------------------------------------------------
+async function selectJob(id) {
+  if (state.stream) state.stream.abort();
+  state.selecting = true;
+  history.replaceState(null, "", `#job=${id}`);
+  const [job, partition] = await Promise.all([
+    api(`/v1/jobs/${id}`).then((r) => r.json()),
+    api(`/v1/jobs/${id}/partition`).then((r) => r.json()),
+  ]);
+  state.job = { ...job, partition, steps: new Map(), latest: new Map(), dirty: false };
+  state.selecting = false;
+  document.querySelectorAll("#jobs tbody tr").forEach((row) => {
+    row.className = row.dataset.id === id ? "selected" : "";
+  });
+  showFacts(state.job);
+  drawOwnership(partition);
+  drawMemory(partition.ranks.map((r) => r.memory), "predicted by the planner");
+  drawOwners(partition);
+  drawMetrics();
+  followEvents(id);
+}
+
+function showFacts(job) {
+  document.getElementById("job-title").textContent = `${job.name} (${job.id})`;
+  document.getElementById("job-title").dataset.status = job.status;
+  const p = job.partition;
+  const facts = {
+    status: job.status, model: job.spec.model, steps: job.spec.steps,
+    layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
+    imbalance: p.imbalance.toFixed(4), "last step": job.steps?.size || 0,
+  };
+  document.getElementById("job-facts").innerHTML = Object.entries(facts)
+    .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
+}
+
+function ownedBy(partition) {
+  const byRank = partition.ranks.map(() => []);
+  for (const [name, p] of Object.entries(partition.params)) byRank[p.owner].push({ name, ...p });
+  return byRank;
+}
+
+function drawOwnership(partition) {
+  const owned = ownedBy(partition);
+  const ranks = partition.ranks;
+  Plotly.react("ownership-chart", [{
+    type: "bar", name: "elements", x: rankLabels(ranks.length),
+    y: ranks.map((r) => r.owned_elements), marker: { color: "#2c6fb7" },
+    customdata: ranks.map((r, i) => [(r.ns_flops / 1e9).toFixed(3), owned[i].length]),
+    hovertemplate: "%{x}: %{y:,} elements<br>NS %{customdata[0]} GFLOP" +
+      "<br>%{customdata[1]} matrices<extra></extra>",
+  }], { margin: MARGIN, yaxis: { title: { text: "elements" } } }, CHART);
+}
+
+function drawMemory(perRank, source) {
+  document.getElementById("memory-caption").textContent = `Memory per rank by kind (${source})`;
+  const kinds = [...new Set(perRank.flatMap((m) => Object.keys(m)))];
+  Plotly.react("memory-chart", kinds.map((kind) => ({
+    type: "bar", name: kind, x: rankLabels(perRank.length),
+    y: perRank.map((m) => m[kind] || 0),
+    hovertemplate: `%{x} ${kind}: %{y:,} B<extra></extra>`,
+  })), { barmode: "stack", margin: MARGIN, legend: { orientation: "h", y: -0.2 },
+         yaxis: { title: { text: "bytes" } } }, CHART);
+}
+
+function drawOwners(partition) {
+  const box = document.getElementById("owners");
+  box.replaceChildren(...ownedBy(partition).map((params, rank) => {
+    const div = document.createElement("div");
+    const layers = {};
+    for (const p of params) (layers[p.boundary] ||= []).push(p.name.split(".").slice(-2, -1)[0]);
+    div.innerHTML = `<h3>rank ${rank}: ${params.length} matrices</h3>` + Object.entries(layers)
+      .map(([layer, names]) => `<div>${esc(layer)}: ${esc(names.join(", "))}</div>`).join("");
+    return div;
+  }));
+}
+
+function drawMetrics() {
+  const job = state.job;
+  const steps = [...job.steps.keys()].sort((a, b) => a - b);
+  const mean = (recs) => recs.reduce((s, r) => s + r.loss, 0) / recs.length;
+  Plotly.react("loss-chart", [{
+    type: "scatter", mode: "lines+markers", name: "loss", x: steps,
+    y: steps.map((s) => mean(job.steps.get(s))),
+  }], { margin: MARGIN, xaxis: { title: { text: "step" } } }, CHART);
+  const world = job.partition.ranks.length;
+  Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
+    type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
+    y: steps.map((s) => job.steps.get(s).find((r) => r.rank === rank)?.step_time_s ?? null),
+  })), { margin: MARGIN, yaxis: { title: { text: "seconds" } } }, CHART);
+  const latest = [...Array(world).keys()].map((rank) => job.latest.get(rank));
+  if (latest.every(Boolean)) {
+    drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}`);
+    const phases = [...new Set(latest.flatMap((r) => Object.keys(r.bytes)))];
+    Plotly.react("bytes-chart", phases.map((phase) => ({
+      type: "bar", name: phase, x: rankLabels(world), y: latest.map((r) => r.bytes[phase] || 0),
+      hovertemplate: `%{x} ${phase}: %{y:,} B<extra></extra>`,
+    })), { barmode: "stack", margin: MARGIN, legend: { orientation: "h", y: -0.2 } }, CHART);
+  }
+  showFacts(job);
+}
+
+function onMetrics(rec) {
+  const job = state.job;
+  if (!job.steps.has(rec.step)) job.steps.set(rec.step, []);
+  const recs = job.steps.get(rec.step);
+  if (!recs.some((r) => r.rank === rec.rank)) recs.push(rec);
+  if ((job.latest.get(rec.rank)?.step ?? -1) <= rec.step) job.latest.set(rec.rank, rec);
+  job.dirty = true;
+}
+
+// Server-sent events read with fetch (EventSource cannot send the Authorization header).
+async function followEvents(id) {
+  const controller = new AbortController();
+  state.stream = controller;
+  let lastId = 0;
+  while (!controller.signal.aborted) {
+    try {
+      const resp = await api(`/v1/jobs/${id}/events`,
+        { signal: controller.signal, headers: { "Last-Event-ID": String(lastId) } });
+      const reader = resp.body.pipeThrough(new TextDecoderStream()).getReader();
+      let buffer = "";
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) break;
+        buffer += value;
+        let cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          const event = parseEvent(buffer.slice(0, cut));
+          buffer = buffer.slice(cut + 2);
+          if (event.id) lastId = Number(event.id);
+          if (event.type === "metrics") onMetrics(JSON.parse(event.data));
+          if (event.type === "status") state.job.status = JSON.parse(event.data).status;
+          if (event.type === "status" && ["SUCCEEDED", "FAILED", "STOPPED"].includes(state.job.status)) {
+            state.job.dirty = true;
+            return;
+          }
+        }
+      }
+    } catch (err) {
+      if (controller.signal.aborted) return;
+      await new Promise((r) => setTimeout(r, 2000));  // the service restarts: reconnect
+    }
+  }
+}
+
+function parseEvent(block) {
+  const event = { type: "message", data: "", id: null };
+  for (const line of block.split("\n")) {
+    const [field, ...rest] = line.split(":");
+    const value = rest.join(":").replace(/^ /, "");
+    if (field === "event") event.type = value;
+    else if (field === "data") event.data += value;
+    else if (field === "id") event.id = value;
+  }
+  return event;
+}
+
+// ---- start --------------------------------------------------------------------------
+document.getElementById("token-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  state.token = document.getElementById("token").value;
+  localStorage.setItem("dmuonToken", state.token);
+  document.getElementById("token-form").hidden = true;
+  refreshJobs().catch(() => {});
+});
+api("/version").then((r) => r.json()).then((v) => {
+  document.getElementById("version").textContent = `dmuon ${v.dmuon} · torch ${v.torch}`;
+}).catch(() => {});
+setInterval(() => {
+  if (state.job?.dirty) { state.job.dirty = false; drawMetrics(); }
+}, 500);
+const poll = () => refreshJobs().catch((err) => console.warn(err.message));
+poll();
+setInterval(poll, 3000);
