@@ -43,7 +43,7 @@ def main() -> None:
     port, root = _port(), tempfile.mkdtemp(prefix="dmuon-bench-api-")
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DMUON_API_TOKEN": "bench", "DMUON_DB": f"{root}/db.sqlite",
-           "DMUON_STORAGE": root}
+           "DMUON_STORAGE": root, "DMUON_LOCAL_RAY": "0"}
     server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app",
                                "--factory", "--host", "127.0.0.1", "--port", str(port),
                                "--log-level", "warning"], env=env, start_new_session=True)

@@ -13,7 +13,7 @@ class Settings:
     storage: str = field(default_factory=lambda: os.path.abspath(
         os.environ.get("DMUON_STORAGE", "dmuon_runs")))
     protect_reads: bool = field(default_factory=lambda: _flag("DMUON_PROTECT_READS", False))
-    ray_address: str | None = field(default_factory=lambda: os.environ.get("RAY_ADDRESS"))
+    ray_address: str | None = field(default_factory=lambda: os.environ.get("RAY_ADDRESS") or None)
     local_ray: bool = field(default_factory=lambda: _flag("DMUON_LOCAL_RAY", True))
     max_running: int = field(default_factory=lambda: int(os.environ.get("DMUON_MAX_RUNNING",
                                                                         "1")))

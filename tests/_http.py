@@ -30,12 +30,14 @@ class Service:
             [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
              "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
             env=self.env, start_new_session=True)
-        deadline = time.time() + 60
+        deadline = time.time() + 120  # a service with a local Ray head starts it first
         while time.time() < deadline:
             try:
                 self.request("GET", "/healthz")
                 return
             except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"service exited with {self.proc.returncode}") from None
                 time.sleep(0.2)
         raise TimeoutError("service did not start")
 

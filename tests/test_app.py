@@ -13,7 +13,7 @@ TINY = {"model": "tiny", "steps": 5, "layout": {"replicate": 2, "shard": 2}}
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
-    service = Service(str(tmp_path_factory.mktemp("svc")))
+    service = Service(str(tmp_path_factory.mktemp("svc")), DMUON_LOCAL_RAY="0")
     yield service
     service.kill()
 

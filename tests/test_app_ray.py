@@ -1,31 +1,39 @@
-"""End to end: real uvicorn on 127.0.0.1, a local Ray head, jobs through Ray's job API."""
+"""End to end: real uvicorn on 127.0.0.1 starting its own local Ray head, jobs through
+Ray's job API, the dashboard in Debian's Chromium, and a SIGKILLed service restarting."""
 
 from __future__ import annotations
 
 import json
+import os
 import time
 import urllib.request
 
 import pytest
+from _browser import ARTIFACTS, page_with_errors
 from _http import Service
-from _ray import RayHead
 
-SPEC = {"name": "e2e", "model": "tiny", "steps": 6, "batch_size": 2, "seq_len": 32,
+from service.local_ray import STATE_FILE, stop_recorded
+
+SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0}}
+WORLD = 4
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    head = RayHead(num_cpus=4)
+    root = str(tmp_path_factory.mktemp("e2e"))
+    # RAY_ADDRESS unset: the service starts its own head
+    svc = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
     try:
-        svc = Service(str(tmp_path_factory.mktemp("e2e")), RAY_ADDRESS=head.dashboard,
-                      DMUON_MAX_RUNNING="1")
-        try:
-            yield svc
-        finally:
-            svc.kill()
+        yield svc
     finally:
-        head.stop()
+        svc.kill()
+        stop_recorded(svc.env["DMUON_STORAGE"])
+
+
+def _head(svc) -> dict:
+    with open(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE)) as fh:
+        return json.load(fh)
 
 
 def _wait_status(svc, job_id, wanted, timeout=240):
@@ -38,12 +46,39 @@ def _wait_status(svc, job_id, wanted, timeout=240):
     raise TimeoutError(f"{job_id} still {status}")
 
 
-def test_submit_follow_events_to_success_and_cancel_another(stack):
+def _points(page) -> int:
+    return page.evaluate("(document.getElementById('loss-chart').data || [{x: []}])[0]"
+                         ".x.length")
+
+
+def _watch_dashboard(svc, job_id) -> None:
+    """The page while the job runs: one bar per rank for ownership and memory, a loss
+    chart that gains points, no console errors; a screenshot for people to look at."""
+    with page_with_errors() as (page, errors):
+        page.goto(f"{svc.url}/#job={job_id}")
+        page.wait_for_function("document.getElementById('loss-chart').data?.[0].x.length > 0",
+                               timeout=180_000)
+        seen = _points(page)
+        assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "RUNNING"
+        page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
+                               f"{seen}", timeout=60_000)
+        assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
+        memory = page.evaluate("document.getElementById('memory-chart').data"
+                               ".map(t => new Set(t.x).size)")
+        assert memory and all(n == WORLD for n in memory)  # stacked kinds, a bar per rank
+        assert page.locator("#memory-chart .barlayer .trace").count() == len(memory)
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        page.screenshot(path=os.path.join(ARTIFACTS, "dashboard.png"), full_page=True)
+        assert errors == []
+
+
+def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stack):
     svc = stack
     status, job = svc.request("POST", "/v1/jobs", {"spec": SPEC})
     assert status == 201 and job["status"] == "PENDING"
     # max_running=1: the second job waits in the service's queue, then is cancelled
-    _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 50}})
+    _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 200}})
+    _watch_dashboard(svc, job["id"])
     events = []
     with urllib.request.urlopen(f"{svc.url}/v1/jobs/{job['id']}/events", timeout=300) as resp:
         for raw in resp:
@@ -52,11 +87,12 @@ def test_submit_follow_events_to_success_and_cancel_another(stack):
                 events.append(json.loads(line[6:]))
     statuses = [e["status"] for e in events if "status" in e]
     assert statuses[-1] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
-    steps = sorted({e["step"] for e in events if "step" in e})
-    assert steps == list(range(1, 7))
+    records = [(e["step"], e["rank"]) for e in events if "step" in e]
+    assert sorted(records) == [(s, r) for s in range(1, 17) for r in range(WORLD)]
     metrics = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
-    assert len(metrics) == 6 * 4  # every step, every rank
-    assert svc.request("GET", f"/v1/jobs/{job['id']}/partition")[0] == 200
+    assert len(metrics) == 16 * WORLD  # every step, every rank
+    part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
+    assert sum(part["elements_per_rank"]) == sum(p["numel"] for p in part["params"].values())
     _wait_status(svc, queued["id"], {"RUNNING"})
     assert svc.request("POST", f"/v1/jobs/{queued['id']}/cancel")[1]["status"] == "STOPPED"
     status, logs = svc.request("GET", f"/v1/jobs/{job['id']}/logs")
@@ -64,22 +100,24 @@ def test_submit_follow_events_to_success_and_cancel_another(stack):
     assert svc.request("GET", f"/v1/jobs/{job['id']}/logs", token=False)[0] == 401
 
 
-def test_sigkill_restart_keeps_jobs_and_metrics_and_reconciles(stack):
+def test_sigkill_restart_reattaches_keeps_jobs_and_metrics_and_reconciles(stack):
     svc = stack
+    head = _head(svc)
     _, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 30}})
     deadline = time.time() + 240
     while time.time() < deadline and len(svc.request(
-            "GET", f"/v1/jobs/{job['id']}/metrics")[1]) < 4 * 3:
+            "GET", f"/v1/jobs/{job['id']}/metrics")[1]) < WORLD * 3:
         time.sleep(0.3)
     before = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
-    assert len(before) >= 12
+    assert len(before) >= WORLD * 3
     svc.kill()  # SIGKILL while the job runs; its posts fail meanwhile, its spool goes on
     time.sleep(3)
     svc.start()
+    assert _head(svc) == head  # re-attached to the same head, not a new one
     assert svc.request("GET", f"/v1/jobs/{job['id']}")[1]["status"] in ("RUNNING",
                                                                        "SUCCEEDED")
     assert _wait_status(svc, job["id"], {"SUCCEEDED"}) == "SUCCEEDED"
     after = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
     keys = [(m["step"], m["rank"]) for m in after]
-    assert keys == [(s, r) for s in range(1, 31) for r in range(4)]  # none lost, no dups
+    assert keys == [(s, r) for s in range(1, 31) for r in range(WORLD)]  # none lost, no dups
     assert all(m in after for m in before)

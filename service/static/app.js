@@ -126,6 +126,11 @@ function drawOwners(partition) {
   }));
 }
 
+// whole steps only, at most about eight ticks
+const stepAxis = (steps, title) => ({
+  title: { text: title || "" }, tickformat: "d", dtick: Math.max(1, Math.ceil(steps.length / 8)),
+});
+
 function drawMetrics() {
   const job = state.job;
   const steps = [...job.steps.keys()].sort((a, b) => a - b);
@@ -133,12 +138,13 @@ function drawMetrics() {
   Plotly.react("loss-chart", [{
     type: "scatter", mode: "lines+markers", name: "loss", x: steps,
     y: steps.map((s) => mean(job.steps.get(s))),
-  }], { margin: MARGIN, xaxis: { title: { text: "step" } } }, CHART);
+  }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
     y: steps.map((s) => job.steps.get(s).find((r) => r.rank === rank)?.step_time_s ?? null),
-  })), { margin: MARGIN, yaxis: { title: { text: "seconds" } } }, CHART);
+  })), { margin: MARGIN, xaxis: stepAxis(steps), yaxis: { title: { text: "seconds" } } },
+  CHART);
   const latest = [...Array(world).keys()].map((rank) => job.latest.get(rank));
   if (latest.every(Boolean)) {
     drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}`);

@@ -1,0 +1,36 @@
+"""Debian's Chromium under Playwright (never a browser a test tool downloads itself)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+CHROMIUM = os.environ.get("DMUON_CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                         "test-artifacts")
+
+
+@contextlib.contextmanager
+def page_with_errors():
+    """(page, errors): errors collects console errors, uncaught exceptions and failed
+    or 4xx/5xx requests, so a test can assert the page ran clean."""
+    from playwright.sync_api import sync_playwright
+
+    if not os.access(CHROMIUM, os.X_OK):
+        raise RuntimeError(f"{CHROMIUM} is missing: `make test` installs Debian's chromium")
+    errors: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, headless=True, args=FLAGS)
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+            page.on("pageerror", lambda e: errors.append(f"uncaught: {e}"))
+            page.on("requestfailed", lambda r: errors.append(f"failed: {r.url}")
+                    if "/events" not in r.url else None)  # aborted on purpose when done
+            page.on("response", lambda r: r.status >= 400 and errors.append(
+                f"{r.status}: {r.url}"))
+            yield page, errors
+        finally:
+            browser.close()
