@@ -129,14 +129,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             planned = _plan(body.spec, settings)
         except PlacementError as e:
             raise HTTPException(422, [{"field": "spec.layout", "message": str(e)}]) from None
-        return store.create_job(body.spec.name, body.spec.model_dump(mode="json"),
-                                dry_run=body.dry_run, plan=planned,
-                                idempotency_key=idempotency_key,
-                                status="SUCCEEDED" if body.dry_run else "PENDING")
+        spec = body.spec.model_dump(mode="json")
+        job = store.create_job(body.spec.name, spec, dry_run=body.dry_run, plan=planned,
+                               idempotency_key=idempotency_key,
+                               status="SUCCEEDED" if body.dry_run else "PENDING")
+        if (job["spec"], job["dry_run"]) != (spec, body.dry_run):
+            raise HTTPException(409, f"Idempotency-Key {idempotency_key!r} was used for "
+                                     f"another request (job {job['id']})")
+        return job
 
     @app.get("/v1/jobs", dependencies=[Depends(read_access)])
     def jobs(status: Literal[STATES] | None = None,
-             limit: int = Query(100, ge=1, le=10000)):
+             limit: int = Query(100, ge=1, le=100_000)):
         return [{k: v for k, v in j.items() if k != "plan"}
                 for j in store.list_jobs(status, limit)]
 

@@ -60,14 +60,17 @@ def synthetic_inventory(nodes: int, gpus_per_node: int, cpus_per_node: int = 64)
             for i in range(nodes)]
 
 
+MAX_WORKERS = 16384  # per job: far past any cluster we plan for, and a plan stays quick
+
+
 def _slots(node: NodeInfo, spec: JobSpec) -> int:
-    """How many workers of ``spec.resources_per_worker`` fit on ``node``."""
+    """How many workers of ``spec.resources_per_worker`` fit on ``node`` (at most 1024)."""
     req = spec.resources_per_worker
     fits = [node.cpus // req.CPU if req.CPU else math.inf,
             node.gpus // req.GPU if req.GPU else math.inf]
     fits += [node.resources.get(k, 0) // v for k, v in req.custom.items() if v]
     n = min(fits)
-    return 0 if n == math.inf else int(n)
+    return 0 if n == math.inf else int(min(n, 1024))
 
 
 def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
@@ -87,6 +90,9 @@ def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
                 f"{per_node} workers of {spec.resources_per_worker.model_dump()}")
         per_node = lay.workers_per_node
     total = n_nodes * per_node
+    if total > MAX_WORKERS:
+        raise PlacementError(f"{n_nodes} nodes x {per_node} workers = {total} workers; a job "
+                             f"may have at most {MAX_WORKERS}")
     cluster_cpus = sum(n.cpus for n in nodes)
     if total * spec.resources_per_worker.CPU > cluster_cpus:
         raise PlacementError(f"{total} workers need more than the cluster's {cluster_cpus:g} CPUs")

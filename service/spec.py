@@ -12,7 +12,7 @@ import pathlib
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .models import PRESETS, ModelConfig
 
@@ -27,13 +27,19 @@ class _Strict(BaseModel):
 class ModelDims(_Strict):
     """Explicit dimensions of a built-in Llama-style model."""
 
-    vocab_size: int = Field(256, ge=2)
-    dim: int = Field(ge=8)
-    n_layers: int = Field(ge=1)
-    n_heads: int = Field(ge=1)
-    n_kv_heads: int = Field(ge=1)
-    ffn_dim: int = Field(ge=1)
-    max_seq_len: int = Field(2048, ge=2)
+    # upper bounds well above Llama-3 405B keep a plan on the meta device quick
+    vocab_size: int = Field(256, ge=2, le=1 << 20)
+    dim: int = Field(ge=8, le=1 << 16)
+    n_layers: int = Field(ge=1, le=1024)
+    n_heads: int = Field(ge=1, le=1024)
+    n_kv_heads: int = Field(ge=1, le=1024)
+    ffn_dim: int = Field(ge=1, le=1 << 20)
+    max_seq_len: int = Field(2048, ge=2, le=1 << 20)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        ModelConfig(**self.model_dump())  # its divisibility checks, as a 422
+        return self
 
 
 class DataSpec(_Strict):
@@ -71,14 +77,15 @@ class LayoutSpec(_Strict):
 
     nodes: int | Literal["auto"] = "auto"
     workers_per_node: int | Literal["auto"] = "auto"
-    replicate: int | None = Field(None, ge=1, description="R, overriding nodes")
-    shard: int | None = Field(None, ge=1, description="N, overriding workers_per_node")
+    replicate: int | None = Field(None, ge=1, le=1024, description="R, overriding nodes")
+    shard: int | None = Field(None, ge=1, le=1024,
+                              description="N, overriding workers_per_node")
 
     @field_validator("nodes", "workers_per_node")
     @classmethod
     def _positive(cls, v):
-        if v != "auto" and v < 1:
-            raise ValueError("must be >= 1 or 'auto'")
+        if v != "auto" and not 1 <= v <= 1024:
+            raise ValueError("must be between 1 and 1024, or 'auto'")
         return v
 
 
@@ -98,8 +105,9 @@ class JobSpec(_Strict):
     model: str | ModelDims = "tiny"
     data: DataSpec = Field(default_factory=DataSpec)
     steps: int = Field(50, ge=1)
-    batch_size: int = Field(4, ge=1, description="sequences per data-parallel rank")
-    seq_len: int = Field(64, ge=2)
+    batch_size: int = Field(4, ge=1, le=1 << 20,
+                            description="sequences per data-parallel rank")
+    seq_len: int = Field(64, ge=2, le=1 << 20)
     precision: Literal["float32", "float64", "bfloat16"] = "float32"
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     dmuon: DMuonSpec = Field(default_factory=DMuonSpec)

@@ -50,7 +50,7 @@ class JobStore:
     def create_job(self, name: str, spec: dict, *, dry_run: bool, plan: dict | None,
                    idempotency_key: str | None = None, status: str = "PENDING") -> dict:
         """A new job, or the one an earlier request with the same key created."""
-        now = time.time()
+        now, idempotency_key = time.time(), idempotency_key or None  # "" is no key
         job_id = f"dmuon-{uuid.uuid4().hex[:12]}"
         with self._lock, self._connect() as db:
             if idempotency_key:
