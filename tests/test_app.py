@@ -46,6 +46,10 @@ def test_idempotency_key_returns_the_same_job(svc):
     assert first[1]["id"] == again[1]["id"]
     ids = [j["id"] for j in svc.request("GET", "/v1/jobs")[1]]
     assert ids.count(first[1]["id"]) == 1
+    other = svc.request("POST", "/v1/jobs", {"spec": {**TINY, "steps": 6}, "dry_run": True},
+                        headers=headers)
+    assert other[0] == 409 and first[1]["id"] in other[1]["detail"]
+    assert len(svc.request("GET", "/v1/jobs")[1]) == len(ids)  # nothing new was made
 
 
 @pytest.mark.parametrize("spec,field", [
@@ -99,10 +103,11 @@ def test_prometheus_counts_jobs_by_status(svc):
 def test_500_concurrent_submissions_lose_nothing(svc):
     from concurrent.futures import ThreadPoolExecutor
 
-    def submit(i):
-        key = {"Idempotency-Key": f"load-{i // 3}"} if i % 3 else {}  # a third retried
+    def submit(i):  # two of every three are one request sent twice with the same key
+        key = {"Idempotency-Key": f"load-{i // 3}"} if i % 3 else {}
+        name = f"load-keyed-{i // 3}" if i % 3 else f"load-{i}"
         return svc.request("POST", "/v1/jobs",
-                           {"spec": {**TINY, "name": f"load-{i}"}, "dry_run": True},
+                           {"spec": {**TINY, "name": name}, "dry_run": True},
                            headers=key, timeout=120)
 
     before = {j["id"] for j in svc.request("GET", "/v1/jobs?limit=100000")[1]}
