@@ -2,12 +2,13 @@
 
     uvicorn service.app:create_app --factory --host 127.0.0.1 --port 8000
 
-Settings come from the environment: ``DMUON_API_TOKEN`` (bearer token for every
-mutating endpoint and for logs), ``DMUON_PROTECT_READS=1`` (reads need it too),
-``DMUON_DB`` (SQLite path), ``DMUON_STORAGE`` (job directories), ``RAY_ADDRESS`` (Ray's
-dashboard address for the job API; unset: the service starts a local head on 127.0.0.1,
-or with ``DMUON_LOCAL_RAY=0`` only queues jobs), ``DMUON_LOCAL_CPUS``,
-``DMUON_MAX_RUNNING``, ``DMUON_SERVICE_URL`` (where jobs post metrics).
+Settings (``service.settings``) come from the environment: ``DMUON_API_TOKEN`` (bearer
+token for every mutating endpoint and for logs), ``DMUON_PROTECT_READS=1`` (reads need
+it too), ``DMUON_DB`` (SQLite path) or ``DMUON_DATABASE_URL`` (``sqlite:///path``),
+``DMUON_STORAGE`` (job directories), ``RAY_ADDRESS`` (Ray's dashboard address for the
+job API; unset: the service starts a local head on 127.0.0.1, or with
+``DMUON_LOCAL_RAY=0`` only queues jobs), ``DMUON_LOCAL_CPUS``, ``DMUON_MAX_RUNNING``,
+``DMUON_SERVICE_URL`` (where jobs post metrics).
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def _plan(spec: JobSpec, settings: Settings) -> dict:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    store = JobStore(settings.db_path)
+    store = JobStore(settings.sqlite_path())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

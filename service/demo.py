@@ -48,6 +48,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> N
     raise TimeoutError(f"the service at {url} did not answer /healthz in {timeout_s:.0f} s")
 
 
+def _print_latency(records: list[dict]) -> None:
+    """From a rank's step record to the service's store: the control plane's promise is
+    under 2 s."""
+    lag = sorted(r["received"] - r["time"] for r in records if "received" in r)
+    if lag:
+        print(f"metrics latency over {len(lag)} records: p50 {lag[len(lag) // 2]:.2f} s, "
+              f"max {lag[-1]:.2f} s", flush=True)
+
+
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
 
@@ -75,6 +84,7 @@ def main() -> int:
         print(f"dashboard: {url}/#job={job['id']}   (API token {env['DMUON_API_TOKEN']})",
               flush=True)
         status = cli.follow(job["id"], DEFAULT_JOB["steps"])
+        _print_latency(cli.request("GET", f"/v1/jobs/{job['id']}/metrics"))
         if status != "SUCCEEDED":
             print(cli.request("GET", f"/v1/jobs/{job['id']}/logs")[-4000:], file=sys.stderr)
         if os.environ.get("DEMO_EXIT_ON_FINISH") == "1":

@@ -102,7 +102,9 @@ class JobStore:
 
     def add_metrics(self, records: list[dict]) -> int:
         """Insert per-(step, rank) records, ignoring ones already stored; returns new."""
-        rows = [(r["job_id"], int(r["step"]), int(r["rank"]), json.dumps(r)) for r in records]
+        now = time.time()  # when the service first had it: metric latency = received - time
+        rows = [(r["job_id"], int(r["step"]), int(r["rank"]), json.dumps({**r, "received": now}))
+                for r in records]
         with self._lock, self._connect() as db:
             before = db.total_changes
             db.executemany("INSERT OR IGNORE INTO metrics VALUES (?, ?, ?, ?)", rows)

@@ -154,3 +154,15 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
                             env={**env, "DMUON_API_TOKEN": "wrong"}, capture_output=True,
                             text=True, timeout=60)
     assert denied.returncode == 1 and "401" in denied.stderr
+
+
+def test_database_url_setting_names_sqlite_files_and_refuses_other_engines(tmp_path):
+    from service.settings import Settings
+
+    absolute = tmp_path / "jobs.db"
+    assert Settings(database_url=f"sqlite:///{absolute}").sqlite_path() == str(absolute)
+    assert Settings(database_url="sqlite:///rel/jobs.db").sqlite_path() == "rel/jobs.db"
+    assert Settings(db_path="x.db", database_url=None).sqlite_path() == "x.db"
+    for url in ("postgresql://db/jobs", "sqlite://", "jobs.db"):
+        with pytest.raises(ValueError, match="DMUON_DATABASE_URL"):
+            Settings(database_url=url).sqlite_path()
