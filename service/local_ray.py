@@ -116,7 +116,7 @@ class LocalRayHead:
         return pids
 
     def stop(self) -> None:
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 5)):
+        for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
             for kill, target in ((os.killpg, self.pid), *((os.kill, p)
                                                            for p in self._processes())):
                 try:
