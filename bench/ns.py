@@ -42,7 +42,10 @@ def timing() -> list[dict]:
             for backend in ("gram", "standard"):
                 row[backend] = _time(functools.partial(dmuon.newton_schulz, G,
                                                        backend=backend, dtype=dtype))
-            if dtype == torch.bfloat16:  # torch's NS always runs in bf16
+            if dtype == torch.float32:  # the m x m iteration in fp32 rather than fp64
+                row["gram_fp32_iteration"] = _time(functools.partial(
+                    dmuon.newton_schulz, G, dtype=dtype, gram_dtype=torch.float32))
+            else:  # torch's NS always runs in bf16
                 row["torch"] = _time(functools.partial(_zeropower_via_newtonschulz, G,
                                                        (3.4445, -4.7750, 2.0315), 5, 1e-7))
             row["gram_over_standard"] = row["gram"] / row["standard"]
@@ -70,24 +73,36 @@ def training_gradients(ratios=(1, 2, 4, 8)) -> dict[int, torch.Tensor]:
     return grads
 
 
-def _sigma_error(G, backend, dtype, coefficients) -> float:
+def _sigma_error(G, backend, dtype, coefficients, **gram) -> float:
     exact = torch.linalg.svdvals(dmuon.newton_schulz(G, backend="standard", dtype=torch.float64,
                                                      coefficients=coefficients))
-    out = dmuon.newton_schulz(G, backend=backend, dtype=dtype, coefficients=coefficients)
+    out = dmuon.newton_schulz(G, backend=backend, dtype=dtype, coefficients=coefficients,
+                              **gram)
     return (torch.linalg.svdvals(out.double()) - exact).abs().max().item()
 
 
-def accuracy() -> list[dict]:
+# the first Gram version: no restart, m x m iteration only promoted to fp32
+_PLAIN_GRAM = {"restart": False, "gram_dtype": torch.float32}
+
+
+def accuracy(seeds: int = 8) -> list[dict]:
+    """Gram / standard error; on random matrices the sums over ``seeds`` matrices (one
+    matrix's ratio scatters), on each training gradient alone."""
     rows, grads = [], training_gradients()
     for source in ("random", "gradient"):
         for r, grad in grads.items():
-            G = torch.randn(64, 64 * r, dtype=torch.float64) if source == "random" else grad
+            mats = [torch.randn(64, 64 * r, dtype=torch.float64,
+                                generator=torch.Generator().manual_seed(100 * r + i))
+                    for i in range(seeds)] if source == "random" else [grad]
             for dtype in (torch.bfloat16, torch.float32):
                 for coef in ("quintic", "polar_express"):
-                    g, s = (_sigma_error(G, b, dtype, coef) for b in ("gram", "standard"))
+                    s, g, p = (sum(_sigma_error(G, b, dtype, coef, **kw) for G in mats)
+                               for b, kw in (("standard", {}), ("gram", {}),
+                                             ("gram", _PLAIN_GRAM)))
                     rows.append({"source": source, "ratio": r, "dtype": str(dtype),
                                  "coefficients": coef, "gram": g, "standard": s,
-                                 "gram_over_standard": g / s})
+                                 "plain_gram": p, "gram_over_standard": g / s,
+                                 "plain_gram_over_standard": p / s})
     return rows
 
 
@@ -95,19 +110,22 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     times, acc = timing(), accuracy()
-    print("| shape | dtype | gram (ms) | standard (ms) | torch Muon NS (ms) | gram/standard |"
-          " FLOP ratio |\n|---|---|---:|---:|---:|---:|---:|")
+    print("| shape | dtype | gram (ms) | gram, fp32 m x m (ms) | standard (ms) |"
+          " torch Muon NS (ms) | gram/standard | FLOP ratio |\n"
+          "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in times:
-        torch_ms = f"{r['torch'] * 1e3:.0f}" if "torch" in r else "-"
+        ms = {k: f"{r[k] * 1e3:.0f}" if k in r else "-" for k in ("gram_fp32_iteration", "torch")}
         print(f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype'][6:]} | {r['gram'] * 1e3:.0f} |"
-              f" {r['standard'] * 1e3:.0f} | {torch_ms} | {r['gram_over_standard']:.2f} |"
-              f" {r['flop_ratio']:.2f} |")
-    print("\nmax |σ_i(out) - σ_i(out_fp64)|, Gram / standard\n"
+              f" {ms['gram_fp32_iteration']} | {r['standard'] * 1e3:.0f} | {ms['torch']} |"
+              f" {r['gram_over_standard']:.2f} | {r['flop_ratio']:.2f} |")
+    print("\nmax |σ_i(out) - σ_i(out_fp64)|, Gram / standard (random: sums over 8 matrices);"
+          " in brackets the first Gram (no restart, m x m in fp32)\n"
           "| source | aspect | dtype | quintic | polar_express |\n|---|---:|---|---:|---:|")
     for i in range(0, len(acc), 2):
         q, p = acc[i], acc[i + 1]
         print(f"| {q['source']} | {q['ratio']} | {q['dtype'][6:]} |"
-              f" {q['gram_over_standard']:.2f} | {p['gram_over_standard']:.2f} |")
+              f" {q['gram_over_standard']:.2f} ({q['plain_gram_over_standard']:.2f}) |"
+              f" {p['gram_over_standard']:.2f} ({p['plain_gram_over_standard']:.2f}) |")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "ns.json").write_text(json.dumps({"timing": times, "accuracy": acc}, indent=2))
 

@@ -20,7 +20,8 @@ Public API (setup order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``get_plan(model)``: the ``DedicationPlan`` (owner per FQN, elements and NS FLOPs per
   rank, imbalance, ``table()``).
 - ``Muon(model, ...)``: Muon on owned matrices, ``torch.optim.AdamW`` for the rest.
-- ``newton_schulz(G, steps, backend, coefficients, dtype)``, ``ns_flops(shape, steps)``.
+- ``newton_schulz(G, steps, backend="gram", coefficients, dtype, restart=True,
+  gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``.
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
 - ``no_sync(model)``: accumulate gradients without reducing (FSDP2's
   ``set_requires_gradient_sync`` works too); ``clip_grad_norm_(model, max_norm)``.

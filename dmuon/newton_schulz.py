@@ -78,26 +78,30 @@ def _standard(X: torch.Tensor, schedule) -> torch.Tensor:
     return X
 
 
+def gram_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The default precision of Gram NS's m x m iteration: twice the input's (bf16 and
+    fp16 -> fp32, fp32 -> fp64). Forming X Xᵀ squares the condition number, so the
+    iteration needs the doubled precision to keep the small singular values that
+    standard NS keeps in the input's precision (measured: bench/ns.py, README)."""
+    return torch.float64 if dtype in (torch.float32, torch.float64) else torch.float32
+
+
 def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
-          normalise_eps: float | None = None) -> torch.Tensor:
+          normalise_eps: float | None = None, inner: torch.dtype | None = None):
     """NS on the m x m Gram matrix R = X Xᵀ of a wide X (m <= n).
 
     X_k = Q_k X_0 with Q_k a polynomial in R_0, so the iteration runs on m x m
     matrices: P = aI + bR + cR², Q <- P Q, R <- P R P (= R P², P commutes with R),
-    and only X Xᵀ and the final Q X touch the n-long dimension. The m x m iteration
-    runs in at least float32: in bf16 its rounding compounds through Q and R (measured
-    2-7x the singular-value error of standard NS), in float32 it stays below standard
-    NS in bf16. ``restart`` rebuilds X <- Q X and R once, halfway, which bounds error
-    growth when the m x m iteration itself is low precision. ``gram_sum`` completes
-    X Xᵀ when X holds a shard of the matrix's columns (tensor parallel); there X is
-    normalised here (``normalise_eps``), by ‖X‖_F² = trace(X Xᵀ), which needs no
-    communication of its own.
+    and only X Xᵀ and the final Q X touch the n-long dimension, in X's dtype. The
+    m x m iteration runs in ``inner`` (default ``gram_dtype_for(X.dtype)``).
+    ``restart`` rebuilds X <- Q X and R once, halfway, which bounds the error growth of
+    R <- P R P. ``gram_sum`` completes X Xᵀ when X holds a shard of the matrix's
+    columns (tensor parallel); there X is normalised here (``normalise_eps``), by
+    ‖X‖_F² = trace(X Xᵀ), which needs no communication of its own.
     """
-    inner = torch.promote_types(X.dtype, torch.float32)
+    inner = inner or gram_dtype_for(X.dtype)
 
     def gram(x):
-        # inputs in the compute dtype, the product kept in `inner`: forming X Xᵀ squares
-        # the condition number, so rounding it to bf16 would lose the small singular values
         r = x.to(inner) @ x.to(inner).mT
         return gram_sum(r) if gram_sum is not None else r
 
@@ -122,19 +126,21 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
 def newton_schulz(
     G: torch.Tensor,
     steps: int = 5,
-    backend: str = "standard",
+    backend: str = "gram",
     coefficients="quintic",
     dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
-    restart: bool = False,
+    restart: bool = True,
+    gram_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Approximate the orthogonal polar factor U Vᵀ of ``G`` (2-D, or 3-D batched over
     its first dim: each (out, in) slice on its own) in ``dtype``.
 
-    ``backend="standard"`` is the iteration of Keller Jordan's Muon as in
-    ``torch.optim.Muon``; ``"gram"`` iterates on the small Gram matrix (fewer FLOPs for
-    rectangular matrices, see ``ns_flops``, but less accurate on ill-conditioned inputs:
-    see the README) and falls back to standard for square matrices.
+    ``backend="gram"`` (the default) iterates on the small Gram matrix, restarting once
+    halfway (``restart``), with the m x m iteration in ``gram_dtype`` (default: twice
+    ``dtype``'s precision); it needs fewer FLOPs for rectangular matrices (``ns_flops``)
+    and falls back to the standard iteration for square ones. ``"standard"`` is the
+    iteration of Keller Jordan's Muon as in ``torch.optim.Muon``.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a 2-D matrix (or 3-D batch), got {tuple(G.shape)}")
@@ -142,7 +148,7 @@ def newton_schulz(
     schedule = coefficient_schedule(coefficients, steps)
     X, tall = _normalised_wide(G, dtype, eps)
     if backend == "gram" and X.size(-2) < X.size(-1):
-        X = _gram(X, schedule, restart)
+        X = _gram(X, schedule, restart, inner=gram_dtype)
     else:
         X = _standard(X, schedule)
     return X.mT if tall else X
@@ -159,7 +165,7 @@ def _gram_matmuls(steps: int, restart: bool) -> int:
     return count
 
 
-def ns_flops(shape, steps: int = 5, backend: str = "standard", restart: bool = False) -> int:
+def ns_flops(shape, steps: int = 5, backend: str = "gram", restart: bool = True) -> int:
     """Matmul FLOPs of one NS call, counted as FlopCounterMode does (2 per multiply-add)."""
     check_backend(backend)
     m, n = sorted(int(d) for d in shape[-2:])

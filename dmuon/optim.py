@@ -38,7 +38,9 @@ class Muon(torch.optim.Optimizer):
 
     ``param_groups[0]`` holds the matrices this rank owns (Muon), ``param_groups[1]``
     every other parameter (``torch.optim.AdamW``, on FSDP2 shards when applied). Both
-    groups carry their own ``lr``, so LR schedulers scale them together.
+    groups carry their own ``lr``, so LR schedulers scale them together. NS defaults to
+    Gram NS with one restart, its m x m iteration at twice ``ns_dtype``'s precision
+    (``ns_gram_dtype`` overrides); ``ns_backend="standard"`` is torch.optim.Muon's.
     """
 
     def __init__(
@@ -49,9 +51,10 @@ class Muon(torch.optim.Optimizer):
         nesterov: bool = True,
         weight_decay: float = 0.0,
         ns_steps: int = 5,
-        ns_backend: str = "standard",
+        ns_backend: str = "gram",
         ns_coefficients="quintic",
         ns_dtype: torch.dtype = torch.bfloat16,
+        ns_gram_dtype: torch.dtype | None = None,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
         adamw_lr: float = 1e-3,
@@ -72,7 +75,8 @@ class Muon(torch.optim.Optimizer):
         muon_group = dict(
             params=owned, kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
             weight_decay=weight_decay, ns_steps=ns_steps, ns_backend=ns_backend,
-            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, eps=eps,
+            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_gram_dtype=ns_gram_dtype,
+            eps=eps,
             adjust_lr_fn=adjust_lr_fn,
         )
         self._adamw = torch.optim.AdamW(
@@ -113,11 +117,11 @@ class Muon(torch.optim.Optimizer):
             tp = self._tp_of.get(id(p))
             ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
                       coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                      eps=group["eps"])
+                      eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
             if tp is None:
                 orthogonalise = functools.partial(newton_schulz, **ns)
             else:  # TP peers orthogonalise the matrix together; Gram is what makes it cheap
-                orthogonalise = functools.partial(tp_newton_schulz, shard=tp, restart=False,
+                orthogonalise = functools.partial(tp_newton_schulz, shard=tp,
                                                   ledger=self._state.ledger, **ns)
             muon_update(
                 p, p.grad, state["momentum_buffer"], orthogonalise, lr=group["lr"],

@@ -75,7 +75,8 @@ def tp_shard_of(param) -> TPShard | None:
 
 
 def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coefficients, dtype,
-                     eps, restart, ledger: comm.Ledger) -> torch.Tensor:
+                     eps, ledger: comm.Ledger, restart: bool = True,
+                     gram_dtype: torch.dtype | None = None) -> torch.Tensor:
     """This peer's shard of NS(full matrix), with the communication the rule needs."""
     if shard.mode == GATHER:
         parts = [torch.empty_like(local) for _ in range(shard.size)]
@@ -83,7 +84,7 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coe
                       shard.size, "tp", "step")
         dist.all_gather(parts, local.contiguous(), group=shard.group)
         full = torch.cat(parts, dim=shard.shard_dim)
-        out = newton_schulz(full, steps, backend, coefficients, dtype, eps, restart)
+        out = newton_schulz(full, steps, backend, coefficients, dtype, eps, restart, gram_dtype)
         return out.chunk(shard.size, dim=shard.shard_dim)[dist.get_rank(shard.group)]
 
     X = (local.mT if shard.shard_dim == 0 else local).to(dtype)
@@ -93,5 +94,5 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coe
         return r
 
     out = _gram(X, coefficient_schedule(coefficients, steps), restart, gram_sum,
-                normalise_eps=eps)
+                normalise_eps=eps, inner=gram_dtype)
     return out.mT if shard.shard_dim == 0 else out

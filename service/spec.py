@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from .models import PRESETS, ModelConfig
 
-# the spec's dtype names, for `precision` and `optimizer.ns_dtype`
+# the spec's dtype names, for `precision` and `optimizer.ns_dtype`/`ns_gram_dtype`
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16}
 
 
@@ -58,6 +58,8 @@ class OptimizerSpec(_Strict):
     ns_steps: int = Field(5, ge=1, le=99)
     ns_coefficients: Literal["quintic", "polar_express"] | tuple[float, float, float] = "quintic"
     ns_dtype: Literal["bfloat16", "float32", "float64"] = "float32"
+    ns_gram_dtype: Literal["float32", "float64"] | None = Field(
+        None, description="Gram NS's m x m iteration (default: twice ns_dtype's precision)")
     eps: float = Field(1e-7, gt=0)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
     adamw_lr: float = Field(3e-3, ge=0)
@@ -68,7 +70,7 @@ class OptimizerSpec(_Strict):
 
 class DMuonSpec(_Strict):
     mode: Literal["z2", "z3"] = "z3"
-    ns_backend: Literal["standard", "gram"] = "standard"
+    ns_backend: Literal["standard", "gram"] = "gram"
     replicate_async: bool = True
 
 

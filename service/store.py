@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -33,6 +34,7 @@ CREATE TABLE IF NOT EXISTS metrics (
 class JobStore:
     def __init__(self, path: str):
         self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         self._lock = threading.Lock()  # serialises writers; SQLite allows one at a time
         with self._connect() as db:
             db.executescript(_SCHEMA)

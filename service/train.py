@@ -69,6 +69,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh):
     fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     o = spec.optimizer.model_dump()
     o["ns_dtype"] = DTYPES[o["ns_dtype"]]
+    o["ns_gram_dtype"] = DTYPES.get(o["ns_gram_dtype"])
     opt = dmuon.Muon(model, **o, ns_backend=spec.dmuon.ns_backend,
                      replicate_async=spec.dmuon.replicate_async)
     return model, opt

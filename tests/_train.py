@@ -148,3 +148,12 @@ def hsdp_train(rank, world, layout, *, z3=True, steps=10, replicate_async=True, 
     out["ledger"] = dmuon.get_ledger(model).last_step_by_phase()
     out["final"] = {**dmuon.full_state_dict(model), **optimizer_snapshot(model, opt)}
     return out
+
+
+def gram_ns_flops(shape, steps: int = 5) -> int:
+    """FLOPs of dmuon's default NS, counted by hand: Gram NS with one restart on m x n
+    (m < n): X Xᵀ twice and Q X twice (2 m² n each), and 14 m x m products over the 5
+    iterations; square matrices take the standard iteration (X Xᵀ, A·A, B·X)."""
+    assert steps == 5
+    m, n = sorted(shape)
+    return 8 * m * m * n + 28 * m**3 if m < n else 5 * (4 * m * m * n + 2 * m**3)

@@ -10,6 +10,7 @@ from _collectives import CollectiveRecorder
 from _train import (
     build_dmuon,
     global_batches,
+    gram_ns_flops,
     local_rows,
     lr_lambda,
     reference_run,
@@ -128,9 +129,7 @@ def _fsdp_all_gather_sizes():
 
 
 def test_newton_schulz_runs_once_per_matrix_per_step():
-    # per NS iteration on m x n (m <= n): X Xᵀ, A·A and B·X, 2 FLOPs per multiply-add
-    per_step = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3)
-                   for s in _muon_shapes().values())
+    per_step = sum(gram_ns_flops(s) for s in _muon_shapes().values())
     results = dist_run("z2", None)
     for step in range(STEPS):
         assert sum(r["flops"][step] for r in results) == per_step

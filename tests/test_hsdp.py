@@ -6,7 +6,15 @@ import functools
 
 import pytest
 import torch
-from _train import HPARAMS, build_model, get_config, hsdp_train, muon_predicate, reference_run
+from _train import (
+    HPARAMS,
+    build_model,
+    get_config,
+    gram_ns_flops,
+    hsdp_train,
+    muon_predicate,
+    reference_run,
+)
 
 import dmuon
 from service.local import run
@@ -81,7 +89,7 @@ def _ns_flops_worker(rank, world):
 def test_newton_schulz_flops_once_per_matrix_across_replicas():
     shapes = [tuple(p.shape) for n, p in build_model(get_config("tiny"), device="meta")
               .named_parameters() if muon_predicate(n, p)]
-    expected = sum(5 * (4 * min(s) ** 2 * max(s) + 2 * min(s) ** 3) for s in shapes)
+    expected = sum(gram_ns_flops(s) for s in shapes)
     assert sum(run(_ns_flops_worker, world_size=WORLD)) == expected
 
 

@@ -77,14 +77,26 @@ def _sigma_error(G, backend, dtype, coefficients):
     return (torch.linalg.svdvals(out.double()) - exact).abs().max().item()
 
 
+@pytest.fixture(scope="module")
+def gradients():
+    from bench.ns import training_gradients
+
+    return training_gradients(RATIOS)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("coefficients", ["quintic", "polar_express"])
-def test_gram_bf16_singular_value_error_within_1_1x_of_standard(coefficients):
-    # Holds for well-conditioned matrices only: Gram NS forms X Xᵀ, which squares the
-    # condition number; on training gradients and in fp32 it is measurably worse
-    # (bench/ns.py prints those figures; see the README's Newton-Schulz section).
+def test_gram_singular_value_error_within_1_1x_of_standard(gradients, coefficients, dtype):
+    """max |σ_i(out) - σ_i(out_fp64)|, default Gram (one restart, m x m iteration at twice
+    the precision) against standard NS in the same dtype. On random matrices the two are
+    equally accurate and one matrix's ratio scatters (0.3-1.7 in bench/ns.py), so the
+    measure there is the mean over 8 matrices; each training gradient counts alone."""
     for r in RATIOS:
-        G = torch.randn(64, 64 * r, generator=torch.Generator().manual_seed(r),
-                        dtype=torch.float64)
-        gram = _sigma_error(G, "gram", torch.bfloat16, coefficients)
-        std = _sigma_error(G, "standard", torch.bfloat16, coefficients)
-        assert gram <= 1.1 * std, f"ratio {r}: gram {gram:.3e} vs standard {std:.3e}"
+        random = [torch.randn(64, 64 * r, generator=torch.Generator().manual_seed(100 * r + i),
+                              dtype=torch.float64) for i in range(8)]
+        gram = sum(_sigma_error(G, "gram", dtype, coefficients) for G in random)
+        std = sum(_sigma_error(G, "standard", dtype, coefficients) for G in random)
+        assert gram <= 1.1 * std, f"random, ratio {r}: gram {gram:.3e} vs standard {std:.3e}"
+        gram = _sigma_error(gradients[r], "gram", dtype, coefficients)
+        std = _sigma_error(gradients[r], "standard", dtype, coefficients)
+        assert gram <= 1.1 * std, f"gradient, ratio {r}: gram {gram:.3e} vs standard {std:.3e}"

@@ -84,9 +84,10 @@ def test_tp_communication_follows_the_gram_rule():
         for fqn in owned:
             rows, cols = shapes[fqn]
             split = 1 if any(f".{n}." in fqn for n in ROWWISE) else 0
-            if (rows, cols)[split] >= (rows, cols)[1 - split]:  # Gram: one m x m all-reduce
+            if (rows, cols)[split] >= (rows, cols)[1 - split]:
+                # Gram: one m x m all-reduce per Gram computation, two with the restart
                 m = (rows, cols)[1 - split]
-                expected += 2 * (TP - 1) * m * m * 8 / TP
+                expected += 2 * 2 * (TP - 1) * m * m * 8 / TP
                 assert res["plan"]["params"][fqn]["tp"] == "gram_allreduce"
             else:  # splits the shorter dim: gathered to the owners
                 expected += (TP - 1) * rows * cols * 8 / TP
