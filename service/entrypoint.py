@@ -39,7 +39,7 @@ class MetricsCallback(UserCallback):
     ``<dir>/metrics.jsonl``, one JSON line per step on stdout, optional HTTP post."""
 
     def __init__(self, job_id: str, out_dir: str, post_url: str | None = None):
-        self.job_id, self.post_url = job_id, post_url
+        self.job_id, self.post_url, self.last_step = job_id, post_url, None
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
 
@@ -48,6 +48,7 @@ class MetricsCallback(UserCallback):
         with open(self.path, "a") as fh:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
+        self.last_step = records[0]["step"]
         line = {"step": records[0]["step"],
                 "loss": sum(r["loss"] for r in records) / len(records), "ranks": records}
         if "val_loss" in records[0]:
@@ -91,7 +92,7 @@ def connect_ray(num_cpus: int | None = None) -> None:
 
 def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
             return_params: str | None = None, post_url: str | None = None):
-    """Plan, then fit a TorchTrainer; returns (ray Result, Placement)."""
+    """Plan, then fit a TorchTrainer; returns (ray Result, Placement, last step seen)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -102,6 +103,7 @@ def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
     config = {"spec": spec.model_dump(mode="json"), "replicate": placement.replicate,
               "shard": placement.shard, "checkpoint_dir": os.path.join(job_dir, "dcp"),
               "fault": fault, "return_params": return_params}
+    metrics = MetricsCallback(job_id, job_dir, post_url)
     trainer = TorchTrainer(
         train_loop_per_worker, train_loop_config=config,
         scaling_config=placement.scaling_config(),
@@ -111,10 +113,10 @@ def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
             name=job_id, storage_path=storage,
             failure_config=FailureConfig(max_failures=spec.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=2),
-            callbacks=[MetricsCallback(job_id, job_dir, post_url)],
+            callbacks=[metrics],
         ),
     )
-    return trainer.fit(), placement
+    return trainer.fit(), placement, metrics.last_step
 
 
 def main(argv=None) -> int:
@@ -138,12 +140,12 @@ def main(argv=None) -> int:
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
-        result, placement = run_job(spec, job_id=job_id, storage=os.path.abspath(args.storage),
-                                    fault=os.environ.get(FAULT_ENV),
-                                    return_params=args.final_params,
-                                    post_url=args.metrics_url)
-        summary.update(layout=[placement.replicate, placement.shard],
-                       final_step=(result.metrics or {}).get("step"))
+        result, placement, last_step = run_job(
+            spec, job_id=job_id, storage=os.path.abspath(args.storage),
+            fault=os.environ.get(FAULT_ENV), return_params=args.final_params,
+            post_url=args.metrics_url)
+        # Ray Train's Result keeps metrics only with a checkpoint; the callback saw them all
+        summary.update(layout=[placement.replicate, placement.shard], final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error))
     except PlacementError as e:

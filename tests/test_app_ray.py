@@ -96,7 +96,8 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     _wait_status(svc, queued["id"], {"RUNNING"})
     assert svc.request("POST", f"/v1/jobs/{queued['id']}/cancel")[1]["status"] == "STOPPED"
     status, logs = svc.request("GET", f"/v1/jobs/{job['id']}/logs")
-    assert status == 200 and '"summary"' in logs
+    summary = json.loads(next(line for line in logs.splitlines() if '"summary"' in line))
+    assert status == 200 and summary["summary"]["final_step"] == SPEC["steps"]
     assert svc.request("GET", f"/v1/jobs/{job['id']}/logs", token=False)[0] == 401
 
 

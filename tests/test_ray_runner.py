@@ -118,8 +118,8 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
 
         spec = parse_spec({**SPEC, "layout": {}})  # auto: 2 nodes x 2 workers
         params_path = os.path.join(storage, "two_nodes.params.pt")
-        _, placement = run_job(spec, job_id="two_nodes", storage=storage,
-                               return_params=params_path)
+        _, placement, _ = run_job(spec, job_id="two_nodes", storage=storage,
+                                  return_params=params_path)
         assert (placement.replicate, placement.shard) == (2, 2)
         records = _records(storage, "two_nodes")
         node = {r["rank"]: r["node_id"] for r in records}
