@@ -39,7 +39,7 @@ class MetricsCallback(UserCallback):
     ``<dir>/metrics.jsonl``, one JSON line per step on stdout, optional HTTP post."""
 
     def __init__(self, job_id: str, out_dir: str, post_url: str | None = None):
-        self.job_id, self.post_url, self.last_step = job_id, post_url, None
+        self.job_id, self.post_url = job_id, post_url
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
 
@@ -48,7 +48,6 @@ class MetricsCallback(UserCallback):
         with open(self.path, "a") as fh:
             for rec in records:
                 fh.write(json.dumps(rec) + "\n")
-        self.last_step = records[0]["step"]
         line = {"step": records[0]["step"],
                 "loss": sum(r["loss"] for r in records) / len(records), "ranks": records}
         if "val_loss" in records[0]:
@@ -92,7 +91,7 @@ def connect_ray(num_cpus: int | None = None) -> None:
 
 def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
             return_params: str | None = None, post_url: str | None = None):
-    """Plan, then fit a TorchTrainer; returns (ray Result, Placement, last step seen)."""
+    """Plan, then fit a TorchTrainer; returns (ray Result, Placement, last step reported)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -116,7 +115,18 @@ def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
             callbacks=[metrics],
         ),
     )
-    return trainer.fit(), placement, metrics.last_step
+    result = trainer.fit()
+    # the callback ran on Ray Train's controller actor; its spool is on shared storage
+    return result, placement, _last_step(metrics.path)
+
+
+def _last_step(spool: str) -> int | None:
+    try:
+        with open(spool, "rb") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    return json.loads(lines[-1])["step"] if lines else None
 
 
 def main(argv=None) -> int:
@@ -144,7 +154,7 @@ def main(argv=None) -> int:
             spec, job_id=job_id, storage=os.path.abspath(args.storage),
             fault=os.environ.get(FAULT_ENV), return_params=args.final_params,
             post_url=args.metrics_url)
-        # Ray Train's Result keeps metrics only with a checkpoint; the callback saw them all
+        # Ray Train's Result keeps metrics only with a checkpoint
         summary.update(layout=[placement.replicate, placement.shard], final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error))
