@@ -118,16 +118,14 @@ def _run(args) -> int:
     if args.cmd == "cancel":
         print(request("POST", f"/v1/jobs/{args.job_id}/cancel")["status"])
         return 0
-    shown = 0
-    while True:  # logs
-        text = request("GET", f"/v1/jobs/{args.job_id}/logs")
-        sys.stdout.write(text[shown:])
-        sys.stdout.flush()
-        shown = len(text)
-        if not args.follow or request("GET", f"/v1/jobs/{args.job_id}")["status"] in (
-                "SUCCEEDED", "FAILED", "STOPPED"):
-            return 0
-        time.sleep(1)
+    if not args.follow:  # logs
+        sys.stdout.write(request("GET", f"/v1/jobs/{args.job_id}/logs"))
+        return 0
+    with request("GET", f"/v1/jobs/{args.job_id}/logs?follow=true", stream=True) as resp:
+        for chunk in iter(lambda: resp.read1(65536), b""):
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+    return 0
 
 
 if __name__ == "__main__":

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 import urllib.request
 
@@ -99,6 +101,11 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     summary = json.loads(next(line for line in logs.splitlines() if '"summary"' in line))
     assert status == 200 and summary["summary"]["final_step"] == SPEC["steps"]
     assert svc.request("GET", f"/v1/jobs/{job['id']}/logs", token=False)[0] == 401
+    streamed = subprocess.run(  # logs -f streams ?follow=true, which ends with the job
+        [sys.executable, "-m", "service.cli", "logs", "-f", job["id"]], capture_output=True,
+        text=True, timeout=120, env={**os.environ, "DMUON_URL": svc.url,
+                                      "DMUON_API_TOKEN": svc.token})
+    assert streamed.returncode == 0 and '"summary"' in streamed.stdout, streamed.stderr
 
 
 def test_sigkill_restart_reattaches_keeps_jobs_and_metrics_and_reconciles(stack):
