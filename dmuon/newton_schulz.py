@@ -2,7 +2,8 @@
 
 The standard quintic iteration is the one of Keller Jordan's Muon as shipped in
 ``torch.optim._muon._zeropower_via_newtonschulz`` (same operation order, so the two are
-bit-identical in the same dtype); only the compute dtype is selectable here.
+bit-identical in the same dtype); only the compute dtype is selectable here. Gram NS,
+the default, computes the same polynomial on the small Gram matrix.
 """
 
 from __future__ import annotations
@@ -87,7 +88,8 @@ def gram_dtype_for(dtype: torch.dtype) -> torch.dtype:
 
 
 def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
-          normalise_eps: float | None = None, inner: torch.dtype | None = None):
+          normalise_eps: float | None = None,
+          inner: torch.dtype | None = None) -> torch.Tensor:
     """NS on the m x m Gram matrix R = X Xᵀ of a wide X (m <= n).
 
     X_k = Q_k X_0 with Q_k a polynomial in R_0, so the iteration runs on m x m
