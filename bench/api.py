@@ -11,7 +11,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -20,14 +19,11 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from service.local_ray import free_port
+from service.serve import wait_healthy
+
 RESULTS = pathlib.Path(__file__).parent / "results"
 READERS, PER_READER = 100, 20
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _call(url, method="GET", body=None, token="bench"):
@@ -40,20 +36,15 @@ def _call(url, method="GET", body=None, token="bench"):
 
 
 def main() -> None:
-    port, root = _port(), tempfile.mkdtemp(prefix="dmuon-bench-api-")
+    port, root = free_port(), tempfile.mkdtemp(prefix="dmuon-bench-api-")
     url = f"http://127.0.0.1:{port}"
     env = {**os.environ, "DMUON_API_TOKEN": "bench", "DMUON_DB": f"{root}/db.sqlite",
            "DMUON_STORAGE": root, "DMUON_LOCAL_RAY": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "uvicorn", "service.app:create_app",
-                               "--factory", "--host", "127.0.0.1", "--port", str(port),
-                               "--log-level", "warning"], env=env, start_new_session=True)
+    server = subprocess.Popen([sys.executable, "-m", "service.serve", "--host", "127.0.0.1",
+                               "--port", str(port), "--log-level", "warning"], env=env,
+                              start_new_session=True)
     try:
-        for _ in range(300):
-            try:
-                _call(f"{url}/healthz")
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_healthy(url, server)
         _, job = _call(f"{url}/v1/jobs", "POST", {"spec": {"model": "tiny"}, "dry_run": True})
 
         def reader(_):

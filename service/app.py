@@ -173,8 +173,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/logs", dependencies=[Depends(require_token)])
     def logs(job_id: str, follow: bool = False):
         """The job driver's output; ``follow=true`` streams it until the job ends."""
-        runner = app.state.runner if not job_or_404(job_id)["dry_run"] else None
-        if runner is None or store.get_job(job_id)["status"] == "PENDING":
+        found, runner = job_or_404(job_id), app.state.runner
+        if runner is None or found["dry_run"] or found["status"] == "PENDING":
             return PlainTextResponse("")
         if follow:
             return StreamingResponse(runner.tail(job_id), media_type="text/plain")

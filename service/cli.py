@@ -27,14 +27,21 @@ class ServiceError(RuntimeError):
     pass
 
 
-def request(method: str, path: str, body=None, *, stream=False):
-    url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
+def json_request(url: str, method: str = "GET", body=None) -> urllib.request.Request:
+    """A request to the service with a JSON body and ``DMUON_API_TOKEN`` as bearer token
+    (the CLI's, and the entrypoint's metric posts)."""
     req = urllib.request.Request(url, method=method,
                                  data=json.dumps(body).encode() if body is not None else None,
                                  headers={"Content-Type": "application/json"})
     token = os.environ.get("DMUON_API_TOKEN")
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    return req
+
+
+def request(method: str, path: str, body=None, *, stream=False):
+    url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
+    req = json_request(url, method, body)
     try:
         resp = urllib.request.urlopen(req, timeout=None if stream else 60)
     except urllib.error.HTTPError as e:

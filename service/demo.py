@@ -16,10 +16,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 from . import cli
 from .local_ray import free_port, stop_recorded
+from .serve import wait_healthy
 
 DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
                "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
@@ -33,19 +33,6 @@ def _port(wanted: int) -> int:
             return wanted
         except OSError:
             return free_port()
-
-
-def _wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the service exited with code {proc.returncode}")
-        try:
-            urllib.request.urlopen(f"{url}/healthz", timeout=2).read()
-            return
-        except OSError:
-            time.sleep(0.5)
-    raise TimeoutError(f"the service at {url} did not answer /healthz in {timeout_s:.0f} s")
 
 
 def _print_latency(records: list[dict]) -> None:
@@ -77,7 +64,7 @@ def main() -> int:
     service = subprocess.Popen([sys.executable, "-m", "service.serve"], env=env,
                                start_new_session=True)
     try:
-        _wait_healthy(url, service)
+        wait_healthy(url, service)
         job = cli.request("POST", "/v1/jobs", {"spec": DEFAULT_JOB})
         print(f"submitted {job['id']}: {DEFAULT_JOB['model']} model, HSDP 2 x 2 on 4 CPU "
               f"workers, {DEFAULT_JOB['steps']} steps")

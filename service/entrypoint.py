@@ -61,13 +61,10 @@ class MetricsCallback(UserCallback):
 def _post(url: str, records: list[dict]) -> None:
     import urllib.request
 
-    req = urllib.request.Request(url, data=json.dumps(records).encode(),
-                                 headers={"Content-Type": "application/json"})
-    token = os.environ.get("DMUON_API_TOKEN")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
+    from .cli import json_request
+
     try:
-        urllib.request.urlopen(req, timeout=5).read()
+        urllib.request.urlopen(json_request(url, "POST", records), timeout=5).read()
     except OSError as e:  # the JSONL file keeps the record; the service re-reads it
         print(f"metrics post to {url} failed: {e}", file=sys.stderr)
 

@@ -6,7 +6,6 @@ Clusters go through Ray (``service.train``); this is the no-Ray way to exercise 
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -15,13 +14,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .local_ray import free_port
+
 PG_TIMEOUT = timedelta(seconds=60)  # a bug fails fast instead of hanging
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, port, out_dir, fn, args, kwargs):
@@ -54,7 +49,7 @@ def leave_process_group() -> None:
 def run(fn, *args, world_size: int = 4, **kwargs) -> list:
     """``fn(rank, world_size, *args, **kwargs)`` on every rank; returns per-rank results."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world_size, _free_port(), out_dir, fn, args, kwargs),
+        mp.spawn(_worker, args=(world_size, free_port(), out_dir, fn, args, kwargs),
                  nprocs=world_size, join=True)
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]

@@ -105,15 +105,7 @@ class LocalRayHead:
 
     def _processes(self) -> list[int]:
         """Every process whose command line names our private temp dir."""
-        pids = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    if self.temp_dir.encode() in fh.read():
-                        pids.append(int(pid))
-            except OSError:
-                continue
-        return pids
+        return pids_with(self.temp_dir)
 
     def stop(self) -> None:
         for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -129,6 +121,21 @@ class LocalRayHead:
                 time.sleep(0.5)
             if not _alive(self.pid) and not self._processes():
                 return
+
+
+def pids_with(*parts: str) -> list[int]:
+    """Processes whose command line (arguments joined by spaces) contains every part:
+    how we find the Ray processes we started, by their private temp dir, by PID."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ")
+        except OSError:
+            continue
+        if all(part.encode() in cmd for part in parts):
+            pids.append(int(pid))
+    return pids
 
 
 def _reap(pid: int) -> None:

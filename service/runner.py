@@ -45,10 +45,10 @@ class RayJobRunner:
         writes), then start queued ones while there is room."""
         running = self.store.list_jobs("RUNNING")
         for job in running:
+            # status first: a job that has ended wrote its whole spool before this read
             status = str(self.client.get_job_status(job["id"]).value)
             self.ingest_spool(job["id"])
             if status in TERMINAL:
-                self.ingest_spool(job["id"])  # what the job wrote before it ended
                 self.store.set_status(job["id"], status, self._message(job["id"]))
         room = self.max_running - len(self.store.list_jobs("RUNNING"))
         for job in sorted(self.store.list_jobs("PENDING"), key=lambda j: j["created"]):

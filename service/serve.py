@@ -8,9 +8,27 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
+import time
+import urllib.request
 
 DEFAULT_PORT = 8000
+
+
+def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    """Until ``url``/healthz answers; a service with a local Ray head starts it first.
+    Fails at once if ``proc`` (the service) exits."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the service exited with code {proc.returncode}")
+        try:
+            urllib.request.urlopen(f"{url}/healthz", timeout=2).read()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"the service at {url} did not answer /healthz in {timeout_s:.0f} s")
 
 
 def main(argv=None) -> int:

@@ -7,11 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 
 from service.local_ray import free_port
+from service.serve import wait_healthy
 
 
 class Service:
@@ -27,19 +27,10 @@ class Service:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "service.app:create_app", "--factory",
-             "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "warning"],
+            [sys.executable, "-m", "service.serve", "--host", "127.0.0.1", "--port",
+             str(self.port), "--log-level", "warning"],
             env=self.env, start_new_session=True)
-        deadline = time.time() + 120  # a service with a local Ray head starts it first
-        while time.time() < deadline:
-            try:
-                self.request("GET", "/healthz")
-                return
-            except OSError:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"service exited with {self.proc.returncode}") from None
-                time.sleep(0.2)
-        raise TimeoutError("service did not start")
+        wait_healthy(self.url, self.proc, timeout_s=120)
 
     def kill(self, sig=signal.SIGKILL) -> None:
         os.killpg(self.proc.pid, sig)

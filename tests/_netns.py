@@ -17,6 +17,8 @@ import sys
 import tempfile
 import time
 
+from service.local_ray import pids_with
+
 IFACE = "dmnet0"  # the same name in both hosts, so one GLOO_SOCKET_IFNAME serves both
 SUBNET = "10.200.0"
 RAY_PORT = 6379
@@ -132,16 +134,7 @@ class TwoHosts:
         return self._ray_node("b", False, num_cpus)
 
     def pids_of(self, marker: str, name: str = "") -> list[int]:
-        pids = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                    cmd = fh.read().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if marker.encode() in cmd and name.encode() in cmd:
-                pids.append(int(pid))
-        return pids
+        return pids_with(marker, name)
 
     def kill_raylet(self, temp_dir: str) -> int:
         (pid,) = self.pids_of(temp_dir, "raylet/raylet")
