@@ -23,7 +23,10 @@ from .data import batch_at, load_corpus, load_text_corpus
 from .models import build_model, causal_lm_loss, muon_predicate
 from .spec import DTYPES, JobSpec, parse_spec
 
-FAULT_ENV = "DMUON_TEST_FAULT"  # "rank:step:marker": exit as step begins, once (tests only)
+# tests only: "rank:step:marker" makes that rank exit as the step begins, once;
+# "hold:<dir>" makes every rank wait before step s while <dir>/step_<s> exists, so a test
+# can inject a fault at an exact step however far the metrics lag behind the workers
+FAULT_ENV = "DMUON_TEST_FAULT"
 
 
 def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:
@@ -83,6 +86,10 @@ def _corpus(spec: JobSpec, split: str) -> torch.Tensor:
 
 def _maybe_fault(rank: int, step: int, fault: str | None) -> None:
     if not fault:
+        return
+    if fault.startswith("hold:"):
+        while os.path.exists(os.path.join(fault[len("hold:"):], f"step_{step}")):
+            time.sleep(0.05)
         return
     f_rank, f_step, marker = fault.split(":", 2)
     if rank == int(f_rank) and step == int(f_step) and not os.path.exists(marker):
