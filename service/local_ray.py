@@ -64,7 +64,10 @@ class LocalRayHead:
             [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",
              f"--port={head.port}", f"--num-cpus={num_cpus}", f"--temp-dir={head.temp_dir}",
              "--dashboard-host=127.0.0.1", f"--dashboard-port={head.dashboard_port}",
-             "--disable-usage-stats"],
+             # Ray's fixed defaults (10001, 52365) would go to whichever head came first:
+             # a second head on the machine then has no job agent
+             f"--ray-client-server-port={free_port()}",
+             f"--dashboard-agent-listen-port={free_port()}", "--disable-usage-stats"],
             env=env, start_new_session=True, stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL)
         head.pid = proc.pid

@@ -67,8 +67,10 @@ class RayJobRunner:
         entrypoint = (f"{sys.executable} -m service.entrypoint --spec {spec_path} "
                       f"--storage {self.storage} --job-id {job['id']} "
                       f"--metrics-url {self.service_url}/v1/metrics")
+        # DMUON_TEST_FAULT: the tests' fault hook (service.train.FAULT_ENV), unset in use
         env = {k: os.environ[k] for k in ("DMUON_API_TOKEN", "GLOO_SOCKET_IFNAME",
-                                          "OMP_NUM_THREADS") if k in os.environ}
+                                          "OMP_NUM_THREADS", "DMUON_TEST_FAULT")
+               if k in os.environ}
         self.client.submit_job(entrypoint=entrypoint, submission_id=job["id"],
                                runtime_env={"env_vars": env})
         if not self.store.set_status(job["id"], "RUNNING"):

@@ -25,7 +25,11 @@ WORLD = 4
 def stack(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("e2e"))
     # RAY_ADDRESS unset: the service starts its own head
-    svc = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
+    holds = os.path.join(root, "holds")  # a job's ranks wait before step s while
+    os.makedirs(holds)                      # holds/step_<s> exists
+    svc = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="",
+                  DMUON_TEST_FAULT=f"hold:{holds}")
+    svc.holds = holds
     try:
         yield svc
     finally:
@@ -53,15 +57,18 @@ def _points(page) -> int:
                          ".x.length")
 
 
-def _watch_dashboard(svc, job_id) -> None:
-    """The page while the job runs: one bar per rank for ownership and memory, a loss
-    chart that gains points, no console errors; a screenshot for people to look at."""
+def _watch_dashboard(svc, job_id, held_step) -> None:
+    """The page while the job runs (held before ``held_step`` until the page has shown
+    its first points): one bar per rank for ownership and memory, a loss chart that
+    gains points, no console errors; a screenshot for people to look at."""
     with page_with_errors() as (page, errors):
         page.goto(f"{svc.url}/#job={job_id}")
         page.wait_for_function("document.getElementById('loss-chart').data?.[0].x.length > 0",
                                timeout=180_000)
         seen = _points(page)
+        assert seen < held_step
         assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "RUNNING"
+        os.remove(os.path.join(svc.holds, f"step_{held_step}"))
         page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
                                f"{seen}", timeout=60_000)
         assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
@@ -76,11 +83,12 @@ def _watch_dashboard(svc, job_id) -> None:
 
 def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stack):
     svc = stack
+    open(os.path.join(svc.holds, "step_3"), "w").close()
     status, job = svc.request("POST", "/v1/jobs", {"spec": SPEC})
     assert status == 201 and job["status"] == "PENDING"
     # max_running=1: the second job waits in the service's queue, then is cancelled
     _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 200}})
-    _watch_dashboard(svc, job["id"])
+    _watch_dashboard(svc, job["id"], held_step=3)
     events = []
     with urllib.request.urlopen(f"{svc.url}/v1/jobs/{job['id']}/events", timeout=300) as resp:
         for raw in resp:

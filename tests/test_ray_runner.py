@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -103,6 +104,26 @@ def test_ray_job_submit_succeeds_with_json_lines(head, storage, tmp_path):
     assert steps == [1, 2, 3], proc.stdout[-2000:]
     assert all(len(line["ranks"]) == 4 for line in lines if "step" in line)
     assert lines[-1]["summary"]["status"] == "SUCCEEDED"
+
+
+def test_second_local_head_on_the_same_machine_takes_jobs(head):
+    """Two service-managed heads side by side (two services, or a head left over from an
+    earlier one): each must have its own job agent, not a port the other holds."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    second = LocalRayHead.start(num_cpus=1)
+    try:
+        client = JobSubmissionClient(second.dashboard)
+        job = client.submit_job(entrypoint=f"{sys.executable} -c 'print(6 * 7)'")
+        deadline = time.time() + 120
+        while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED,
+                                                 JobStatus.STOPPED):
+            assert time.time() < deadline, "the second head's job never finished"
+            time.sleep(0.5)
+        assert client.get_job_status(job) == JobStatus.SUCCEEDED
+        assert "42" in client.get_job_logs(job)
+    finally:
+        second.stop()
 
 
 def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
