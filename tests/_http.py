@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 
@@ -35,6 +36,20 @@ class Service:
     def kill(self, sig=signal.SIGKILL) -> None:
         os.killpg(self.proc.pid, sig)
         self.proc.wait(timeout=30)
+
+    def events(self, job_id: str, timeout_s: float = 300) -> list[dict]:
+        """The job's SSE data until the stream ends with the job; keep-alives would keep
+        a socket timeout from ever firing, so the whole read has a deadline."""
+        deadline, events = time.monotonic() + timeout_s, []
+        with urllib.request.urlopen(f"{self.url}/v1/jobs/{job_id}/events",
+                                    timeout=timeout_s) as resp:
+            for raw in resp:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{job_id}'s events still open after {timeout_s} s")
+                line = raw.decode().strip()
+                if line.startswith("data: "):
+                    events.append(json.loads(line[6:]))
+        return events
 
     def request(self, method, path, body=None, *, token=True, headers=None, timeout=30):
         """(status, parsed JSON or text)."""

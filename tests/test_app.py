@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 
 import pytest
 from _http import Service
@@ -77,9 +76,10 @@ def test_metrics_ingest_is_deduplicated_and_streamed(svc):
     status, stored = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")
     assert status == 200 and [(m["step"], m["rank"]) for m in stored] == \
         [(s, r) for s in (1, 2) for r in range(4)]
-    with urllib.request.urlopen(f"{svc.url}/v1/jobs/{job['id']}/events", timeout=30) as resp:
-        text = resp.read().decode()
-    assert text.count("event: metrics") == 8 and '"status": "SUCCEEDED"' in text
+    events = svc.events(job["id"], timeout_s=30)
+    assert sorted((e["step"], e["rank"]) for e in events if "step" in e) == \
+        [(s, r) for s in (1, 2) for r in range(4)]
+    assert [e["status"] for e in events if "status" in e][-1] == "SUCCEEDED"
 
 
 def test_pending_job_without_ray_can_be_cancelled(svc):

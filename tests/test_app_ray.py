@@ -8,7 +8,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 from _browser import ARTIFACTS, page_with_errors
@@ -58,15 +57,14 @@ def _points(page) -> int:
 
 
 def _watch_dashboard(svc, job_id, held_step) -> None:
-    """The page while the job runs (held before ``held_step`` until the page has shown
-    its first points): one bar per rank for ownership and memory, a loss chart that
+    """The page while the job runs (held before ``held_step`` until the page shows every
+    step before it): one bar per rank for ownership and memory, a loss chart that
     gains points, no console errors; a screenshot for people to look at."""
     with page_with_errors() as (page, errors):
         page.goto(f"{svc.url}/#job={job_id}")
-        page.wait_for_function("document.getElementById('loss-chart').data?.[0].x.length > 0",
-                               timeout=180_000)
+        page.wait_for_function(f"document.getElementById('loss-chart').data?.[0].x.length "
+                               f"== {held_step - 1}", timeout=180_000)
         seen = _points(page)
-        assert seen < held_step
         assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "RUNNING"
         os.remove(os.path.join(svc.holds, f"step_{held_step}"))
         page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
@@ -89,12 +87,7 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     # max_running=1: the second job waits in the service's queue, then is cancelled
     _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 200}})
     _watch_dashboard(svc, job["id"], held_step=3)
-    events = []
-    with urllib.request.urlopen(f"{svc.url}/v1/jobs/{job['id']}/events", timeout=300) as resp:
-        for raw in resp:
-            line = raw.decode().strip()
-            if line.startswith("data: "):
-                events.append(json.loads(line[6:]))
+    events = svc.events(job["id"])
     statuses = [e["status"] for e in events if "status" in e]
     assert statuses[-1] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
     records = [(e["step"], e["rank"]) for e in events if "step" in e]
