@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
 from .dashboard import mount_dashboard
-from .planner import PlacementError, predict, synthetic_inventory
+from .planner import NodeInfo, PlacementError, predict, synthetic_inventory
 from .settings import Settings
 from .spec import JobSpec
 from .store import STATES, TERMINAL, JobStore
@@ -39,15 +39,27 @@ class JobSubmission(BaseModel):
     dry_run: bool = False
 
 
-def _plan(spec: JobSpec, settings: Settings) -> dict:
-    """The placement as JSON: layout, per-rank predictions and the partition."""
-    nodes = spec.layout.nodes if spec.layout.nodes != "auto" else 1
-    # the job's entrypoint plans again on the cluster's real inventory before it starts
-    placement = predict(spec, synthetic_inventory(nodes, 0,
-                                                  cpus_per_node=settings.local_cpus))
+def _plan(spec: JobSpec, settings: Settings, cluster: list[NodeInfo] | None) -> dict:
+    """The placement as JSON: layout, per-rank predictions, the partition, and the nodes
+    it was planned on. Those are the attached cluster's when the job fits them now, as the
+    job's entrypoint will plan when it starts; else (no cluster, or one that must grow
+    first) ``layout.nodes`` assumed nodes of ``DMUON_LOCAL_CPUS`` CPUs."""
+    try:
+        if not cluster:
+            raise PlacementError("no Ray cluster attached" if cluster is None else
+                                 "the Ray cluster lists no alive node")
+        placement = predict(spec, cluster)
+        inventory = {"source": "cluster", "nodes": len(cluster)}
+    except PlacementError as on_cluster:
+        nodes = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        placement = predict(spec, synthetic_inventory(nodes, 0,
+                                                      cpus_per_node=settings.local_cpus))
+        inventory = {"source": "assumed", "nodes": nodes,
+                     "cpus_per_node": settings.local_cpus, "reason": str(on_cluster)}
     return {
         "layout": {"replicate": placement.replicate, "shard": placement.shard,
                    "nodes": placement.nodes},
+        "inventory": inventory,
         "ranks": [r.__dict__ for r in placement.ranks],
         "partition": placement.plan.to_dict(),
     }
@@ -101,6 +113,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if settings.protect_reads:
             require_token(authorization)
 
+    def cluster() -> list[NodeInfo] | None:
+        return app.state.runner.inventory() if app.state.runner is not None else None
+
     def job_or_404(job_id: str) -> dict:
         job = store.get_job(job_id)
         if job is None:
@@ -120,14 +135,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.post("/v1/plan", dependencies=[Depends(read_access)])
     def plan(spec: JobSpec):
         try:
-            return _plan(spec, settings)
+            return _plan(spec, settings, cluster())
         except PlacementError as e:
             raise HTTPException(422, [{"field": "layout", "message": str(e)}]) from None
 
     @app.post("/v1/jobs", status_code=201, dependencies=[Depends(require_token)])
     def submit(body: JobSubmission, idempotency_key: str | None = Header(None)):
         try:
-            planned = _plan(body.spec, settings)
+            planned = _plan(body.spec, settings, cluster())
         except PlacementError as e:
             raise HTTPException(422, [{"field": "spec.layout", "message": str(e)}]) from None
         spec = body.spec.model_dump(mode="json")
@@ -162,8 +177,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/jobs/{job_id}/partition", dependencies=[Depends(read_access)])
     def partition(job_id: str):
         planned = job_or_404(job_id)["plan"]
-        return {"layout": planned["layout"], "ranks": planned["ranks"],
-                **planned["partition"]}
+        return {"layout": planned["layout"], "inventory": planned.get("inventory"),
+                "ranks": planned["ranks"], **planned["partition"]}
 
     @app.get("/v1/jobs/{job_id}/metrics", dependencies=[Depends(read_access)])
     def metrics(job_id: str, after_step: int = Query(0, ge=0)):

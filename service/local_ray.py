@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
@@ -100,10 +99,13 @@ class LocalRayHead:
         return head, False
 
     def ready(self) -> bool:
+        """The dashboard answers and lists the head's node as alive: until then jobs
+        and plans would see a cluster of no nodes."""
+        from .planner import inventory_from_dashboard
+
         try:
-            with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=2) as resp:
-                return resp.status == 200
-        except OSError:
+            return bool(inventory_from_dashboard(self.dashboard, timeout_s=2))
+        except Exception:  # noqa: BLE001 - not up yet: Ray raises several kinds
             return False
 
     def _processes(self) -> list[int]:

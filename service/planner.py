@@ -55,6 +55,18 @@ def inventory_from_ray() -> list[NodeInfo]:
     return nodes
 
 
+def inventory_from_dashboard(address: str, timeout_s: float = 5) -> list[NodeInfo]:
+    """The same, read through the Ray dashboard at ``address`` by Ray's state API: for the
+    control plane, which is not a Ray driver."""
+    from ray.util.state import list_nodes
+
+    return [NodeInfo(n.node_id, n.node_ip, n.resources_total.get("CPU", 0),
+                     n.resources_total.get("GPU", 0), dict(n.resources_total))
+            for n in list_nodes(address=address, detail=True, timeout=int(timeout_s),
+                                raise_on_missing_output=False)
+            if n.state == "ALIVE"]
+
+
 def synthetic_inventory(nodes: int, gpus_per_node: int, cpus_per_node: int = 64):
     return [NodeInfo(f"node{i}", f"10.0.0.{i}", cpus_per_node, gpus_per_node)
             for i in range(nodes)]

@@ -7,11 +7,16 @@ the rest wait in the service's own queue (PENDING). Statuses follow Ray's.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
+import time
 
+from .planner import NodeInfo, inventory_from_dashboard
 from .store import TERMINAL, JobStore
+
+INVENTORY_TTL_S = 10.0
 
 
 class RayJobRunner:
@@ -21,10 +26,28 @@ class RayJobRunner:
 
         self.store, self.storage, self.service_url = store, storage, service_url
         self.max_running, self.interval_s = max_running, interval_s
-        self.client = JobSubmissionClient(ray_address)
+        self.client, self.ray_address = JobSubmissionClient(ray_address), ray_address
+        self._inventory: tuple[float, list[NodeInfo]] = (-math.inf, [])
+        self._inventory_lock = threading.Lock()
         self._offsets: dict[str, int] = {}  # bytes of each spool already ingested
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dmuon-runner", daemon=True)
+
+    def inventory(self) -> list[NodeInfo]:
+        """The cluster's alive nodes, read at most every INVENTORY_TTL_S (submissions come
+        in bursts); [] while the cluster cannot be read."""
+        with self._inventory_lock:
+            read_at, nodes = self._inventory
+            if time.monotonic() - read_at > INVENTORY_TTL_S:
+                try:
+                    nodes = inventory_from_dashboard(self.ray_address)
+                    # none yet (a new head registers its node within a second): ask again
+                    read_at = time.monotonic() if nodes else -math.inf
+                except Exception as e:  # noqa: BLE001 - Ray raises several kinds
+                    print(f"runner: cannot read the cluster's nodes: {e}", file=sys.stderr)
+                    nodes, read_at = [], time.monotonic()
+                self._inventory = (read_at, nodes)
+            return nodes
 
     def start(self) -> None:
         self._thread.start()

@@ -70,6 +70,7 @@ def _watch_dashboard(svc, job_id, held_step) -> None:
         page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
                                f"{seen}", timeout=60_000)
         assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
+        assert "planned on\nthe cluster's 1 node" in page.locator("#job-facts").inner_text()
         memory = page.evaluate("document.getElementById('memory-chart').data"
                                ".map(t => new Set(t.x).size)")
         assert memory and all(n == WORLD for n in memory)  # stacked kinds, a bar per rank
@@ -96,6 +97,7 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     assert len(metrics) == 16 * WORLD  # every step, every rank
     part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
     assert sum(part["elements_per_rank"]) == sum(p["numel"] for p in part["params"].values())
+    assert part["inventory"] == {"source": "cluster", "nodes": 1}  # the head's, not assumed
     _wait_status(svc, queued["id"], {"RUNNING"})
     assert svc.request("POST", f"/v1/jobs/{queued['id']}/cancel")[1]["status"] == "STOPPED"
     status, logs = svc.request("GET", f"/v1/jobs/{job['id']}/logs")

@@ -126,6 +126,27 @@ def test_second_local_head_on_the_same_machine_takes_jobs(head):
         second.stop()
 
 
+def test_service_plans_on_the_attached_clusters_nodes(head, tmp_path):
+    """The control plane attached to a running cluster plans on its nodes (1 x 4 CPUs
+    here), as the job's entrypoint will, not on the nodes it assumes without one."""
+    from _http import Service
+
+    svc = Service(str(tmp_path), RAY_ADDRESS=head.dashboard, DMUON_LOCAL_CPUS="64")
+    try:
+        _, plan = svc.request("POST", "/v1/plan", {**SPEC, "layout": {}})
+        assert plan["inventory"] == {"source": "cluster", "nodes": 1}
+        assert (plan["layout"]["replicate"], plan["layout"]["shard"]) == (1, 4)
+        assert len(plan["ranks"]) == 4
+        # 8 workers do not fit the cluster now: planned on the assumed 64-CPU node instead,
+        # with the reason (a cluster may grow before the job starts)
+        _, plan = svc.request("POST", "/v1/plan", {**SPEC, "layout": {"workers_per_node": 8}})
+        inventory = plan["inventory"]
+        assert (inventory["source"], inventory["cpus_per_node"]) == ("assumed", 64)
+        assert "workers_per_node=8" in inventory["reason"] and len(plan["ranks"]) == 8
+    finally:
+        svc.kill()
+
+
 def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
     import ray
     from ray.cluster_utils import Cluster

@@ -79,10 +79,18 @@ function showFacts(job) {
   const facts = {
     status: job.status, model: job.spec.model, steps: job.spec.steps,
     layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
+    "planned on": plannedOn(p.inventory),
     imbalance: p.imbalance.toFixed(4), "last step": job.steps?.size || 0,
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
+}
+
+function plannedOn(inv) {
+  if (!inv) return "-";
+  const nodes = `${inv.nodes} node${inv.nodes === 1 ? "" : "s"}`;
+  return inv.source === "cluster" ? `the cluster's ${nodes}`
+    : `${nodes} of ${inv.cpus_per_node} CPUs, assumed (${inv.reason})`;
 }
 
 function ownedBy(partition) {
