@@ -15,6 +15,7 @@ import time
 
 from .planner import NodeInfo, inventory_from_dashboard
 from .store import TERMINAL, JobStore
+from .train import FAULT_ENV
 
 INVENTORY_TTL_S = 10.0
 
@@ -90,10 +91,9 @@ class RayJobRunner:
         entrypoint = (f"{sys.executable} -m service.entrypoint --spec {spec_path} "
                       f"--storage {self.storage} --job-id {job['id']} "
                       f"--metrics-url {self.service_url}/v1/metrics")
-        # DMUON_TEST_FAULT: the tests' fault hook (service.train.FAULT_ENV), unset in use
+        # FAULT_ENV: the tests' fault hook, unset in use
         env = {k: os.environ[k] for k in ("DMUON_API_TOKEN", "GLOO_SOCKET_IFNAME",
-                                          "OMP_NUM_THREADS", "DMUON_TEST_FAULT")
-               if k in os.environ}
+                                          "OMP_NUM_THREADS", FAULT_ENV) if k in os.environ}
         self.client.submit_job(entrypoint=entrypoint, submission_id=job["id"],
                                runtime_env={"env_vars": env})
         if not self.store.set_status(job["id"], "RUNNING"):
