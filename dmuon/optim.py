@@ -39,8 +39,9 @@ class Muon(torch.optim.Optimizer):
     ``param_groups[0]`` holds the matrices this rank owns (Muon), ``param_groups[1]``
     every other parameter (``torch.optim.AdamW``, on FSDP2 shards when applied). Both
     groups carry their own ``lr``, so LR schedulers scale them together. NS defaults to
-    Gram NS with one restart, its m x m iteration at twice ``ns_dtype``'s precision
-    (``ns_gram_dtype`` overrides); ``ns_backend="standard"`` is torch.optim.Muon's.
+    Gram NS with one restart in ``ns_dtype`` (default: fp16 on CUDA, the gradient's
+    precision on the CPU; ``ns_gram_dtype`` raises the m x m iteration's precision);
+    ``ns_backend="standard"`` is torch.optim.Muon's.
     """
 
     def __init__(
@@ -53,7 +54,7 @@ class Muon(torch.optim.Optimizer):
         ns_steps: int = 5,
         ns_backend: str = "gram",
         ns_coefficients="quintic",
-        ns_dtype: torch.dtype = torch.bfloat16,
+        ns_dtype: torch.dtype | None = None,
         ns_gram_dtype: torch.dtype | None = None,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,

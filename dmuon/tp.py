@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .newton_schulz import _gram, coefficient_schedule, newton_schulz
+from .newton_schulz import _gram, coefficient_schedule, default_ns_dtype, newton_schulz
 
 GRAM_ALLREDUCE, GATHER = "gram_allreduce", "gather"
 
@@ -78,6 +78,7 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coe
                      eps, ledger: comm.Ledger, restart: bool = True,
                      gram_dtype: torch.dtype | None = None) -> torch.Tensor:
     """This peer's shard of NS(full matrix), with the communication the rule needs."""
+    dtype = dtype or default_ns_dtype(local.device, backend, local.dtype)
     if shard.mode == GATHER:
         parts = [torch.empty_like(local) for _ in range(shard.size)]
         ledger.record("all_gather", local.numel() * local.element_size() * shard.size,

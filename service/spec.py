@@ -59,7 +59,7 @@ class OptimizerSpec(_Strict):
     ns_coefficients: Literal["quintic", "polar_express"] | tuple[float, float, float] = "quintic"
     ns_dtype: Literal["bfloat16", "float32", "float64"] = "float32"
     ns_gram_dtype: Literal["float32", "float64"] | None = Field(
-        None, description="Gram NS's m x m iteration (default: twice ns_dtype's precision)")
+        None, description="Gram NS's m x m iteration (default: ns_dtype, not promoted)")
     eps: float = Field(1e-7, gt=0)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
     adamw_lr: float = Field(3e-3, ge=0)
