@@ -19,7 +19,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.optim import adjusted_lr
@@ -79,8 +78,8 @@ def _setup(config: str, world: int, model_name: str):
                               replicate_mesh=mesh["replicate"] if hsdp else None,
                               reshard_after_forward=z3)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     if config == "fsdp2_adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
     if config == "naive_fsdp2_muon":

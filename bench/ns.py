@@ -114,9 +114,10 @@ def main() -> None:
           " torch Muon NS (ms) | gram/standard | FLOP ratio |\n"
           "|---|---|---:|---:|---:|---:|---:|---:|")
     for r in times:
-        ms = {k: f"{r[k] * 1e3:.0f}" if k in r else "-" for k in ("gram_fp64_iteration", "torch")}
+        ms = {k: f"{r[k] * 1e3:.0f}" if k in r else "-"
+              for k in ("gram_fp64_iteration", "torch")}
         print(f"| {r['shape'][0]}x{r['shape'][1]} | {r['dtype'][6:]} | {r['gram'] * 1e3:.0f} |"
-              f" {ms["gram_fp64_iteration"]} | {r['standard'] * 1e3:.0f} | {ms['torch']} |"
+              f" {ms['gram_fp64_iteration']} | {r['standard'] * 1e3:.0f} | {ms['torch']} |"
               f" {r['gram_over_standard']:.2f} | {r['flop_ratio']:.2f} |")
     print("\nmax |σ_i(out) - σ_i(out_fp64)|, Gram / standard (random: sums over 8 matrices);"
           " in brackets the first Gram (no restart, m x m in fp32)\n"

@@ -1,50 +1,59 @@
 """DMuon: distributed Muon with dedicated ownership, composed with FSDP2.
 
 Each Muon-target matrix gets one *owner* rank that keeps it in full, receives its
-averaged gradient by a reduce and runs Newton-Schulz alone; every other rank holds a
-zero-storage placeholder that a broadcast fills before the matrix's hook boundary runs.
+averaged gradient by a reduce-scatter and runs Newton-Schulz alone; every other rank
+holds a zero-storage placeholder that an all-gather fills before the matrix's hook
+boundary runs.
 
-Public API (setup order: TP, ``dedicate_params``, ``fully_shard``)::
+Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 
     plan = dmuon.dedicate_params(model, mesh, predicate=lambda n, p: ...,
                                  reshard_after_forward=True)   # Z3; False = Z2
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        dmuon.fully_shard(layer, mesh=mesh)                     # FSDP2, dedicated params ignored
+    dmuon.fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.02, ...)                      # torch.optim.Optimizer
 
 - ``dedicate_params(model, mesh, *, predicate, replicate_mesh=None,
-  reshard_after_forward=True, hook_boundary_predicate=None, hook_boundary_strict=True)``
+  reshard_after_forward=True, hook_boundary_predicate=None, hook_boundary_strict=True,
+  mp_policy=None, prefetch=1)``; the model may be on the meta device, then
+  ``materialize(model, seed=..., init_fn=None)`` allocates and initialises it.
+- ``fully_shard(module, **fsdp_kwargs)``: FSDP2's, with the dedicated params in
+  ``ignored_params`` (or pass ``ignored_params=dmuon.ignored_params(model)`` yourself).
 - ``partition(model, *, predicate, shard_size, replicate_size=1, ...)``: the same plan
   without a process group (meta-device models).
 - ``get_plan(model)``: the ``DedicationPlan`` (owner per FQN, elements and NS FLOPs per
   rank, imbalance, ``table()``).
-- ``Muon(model, ...)``: Muon on owned matrices, ``torch.optim.AdamW`` for the rest.
+- ``Muon(model_or_param_groups, ...)``: Muon on owned matrices, ``torch.optim.AdamW``
+  for the rest.
 - ``newton_schulz(G, steps, backend="gram", coefficients, dtype, restart=True,
   gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``.
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
-- ``no_sync(model)``: accumulate gradients without reducing (FSDP2's
-  ``set_requires_gradient_sync`` works too); ``clip_grad_norm_(model, max_norm)``.
+- ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model,
+  max_norm)``.
 - ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
   ``checkpoint.get_state_dict/set_state_dict``: sharded DCP checkpoints that load on any
   layout.
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
-Importing this package makes FSDP2's ``fully_shard`` skip dedicated params and
-refuses tensor parallelism applied after ``dedicate_params``.
+Importing this package replaces no FSDP2 function; it wraps tensor parallelism's public
+``distribute_module`` so that TP applied after ``dedicate_params`` is refused by name.
 """
 
-from . import _compose, checkpoint
+from . import checkpoint
 from .comm import Ledger
-from .dedicate import dedicate_params, full_state_dict, get_plan, get_state
+from .compose import fully_shard, guard_tensor_parallel
+from .dedicate import dedicate_params, get_plan, get_state, ignored_params
 from .grads import clip_grad_norm_, no_sync
+from .init import init_weights, materialize, unit_seed
 from .newton_schulz import newton_schulz, ns_flops
 from .optim import Muon
 from .partition import Assignment, DedicationPlan, partition
+from .state_dict import full_state_dict
 from .stats import MEMORY_KINDS, memory_report
 
-_compose.install()
+guard_tensor_parallel()
 
 
 def get_ledger(model) -> Ledger:
@@ -62,11 +71,16 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "full_state_dict",
+    "fully_shard",
     "get_ledger",
     "get_plan",
+    "ignored_params",
+    "init_weights",
+    "materialize",
     "memory_report",
     "newton_schulz",
     "no_sync",
     "ns_flops",
     "partition",
+    "unit_seed",
 ]

@@ -1,10 +1,21 @@
-"""The packed buffer of one (hook boundary, owner) group and its lifecycle.
+"""One hook boundary's packed buffer, the column values behind it, the owners' masters,
+and the boundary's gradient buffer.
 
-The module's parameters of a group are views into one flat buffer, so one broadcast
-fills them all. Freeing resizes the storage to zero (as FSDP2 does), which keeps the
-views, and autograd's saved references to them, valid once the storage is refilled.
-The owner's authoritative copy lives apart from the buffer (``owned``), so the buffer
-holds the same thing on every rank and Z2/Z3 differ only in when it is freed.
+Layout. The boundary's Muon-target units (matrices, or slices of experts of a 3-D
+param) are laid out in one flat buffer ordered by owner: shard column first, then
+replica within the column. Shard column ``s`` (every rank with shard index ``s``) holds
+the values of its segment, ``column_values``, in ``param_dtype``; one uneven all-gather
+over the shard group fills the packed buffer on every rank of a row, and one uneven
+reduce-scatter delivers each column its segment of the summed gradient. In HSDP the
+column segment is ordered by replica, so a second reduce-scatter over the replicate
+group hands each owner its part, and after the step one all-gather over the replicate
+group refreshes the column's replicas.
+
+The owner's master copy (``masters``) keeps the param's own dtype (fp32 under mixed
+precision) and is what the optimizer updates; with no cast it is a view into
+``column_values``. Module params are views into the packed buffer (3-D params keep
+their own storage, filled from the buffer), so freeing resizes storage to zero, as
+FSDP2 does, which keeps autograd's saved references valid once the storage is refilled.
 """
 
 from __future__ import annotations
@@ -20,201 +31,262 @@ from .tp import TPShard, tp_shard_of
 
 @dataclass
 class Member:
+    """One unit of the partition inside a boundary: a matrix (or its TP shard), or the
+    slice ``experts`` of a 3-D param."""
+
     fqn: str
-    param: nn.Parameter  # the module's parameter
-    local: torch.Tensor  # its storage (the local shard of a TP DTensor): a packed view
-    offset: int
-    numel: int
-    tp: TPShard | None
-    experts: tuple[int, int] | None = None  # this unit is param[lo:hi] of a 3-D param
+    param: nn.Parameter
+    owner: tuple[int, int]  # (replicate, shard)
+    index: int  # position in the plan, for the presence of gradients
+    shape: torch.Size = torch.Size()
+    offset: int = 0
+    tp: TPShard | None = None
+    experts: tuple[int, int] | None = None
 
     @property
-    def shape(self) -> torch.Size:
-        if self.experts is not None:
-            lo, hi = self.experts
-            return torch.Size((hi - lo, *self.param.shape[1:]))
-        return self.local.shape
+    def numel(self) -> int:
+        return self.shape.numel()
 
-    def local_grad(self) -> torch.Tensor | None:
-        g = self.param.grad
-        if g is not None and hasattr(g, "to_local"):
-            g = g.to_local()
-        if g is not None and self.experts is not None:
-            g = g[self.experts[0]:self.experts[1]]
-        return g
+    def module_tensor(self) -> torch.Tensor:
+        """The tensor whose storage the module computes with (a TP shard's local)."""
+        return self.param._local_tensor if self.tp is not None else self.param
+
+    def grad_part(self, grad: torch.Tensor) -> torch.Tensor:
+        if hasattr(grad, "to_local"):
+            grad = grad.to_local()
+        return grad[self.experts[0]:self.experts[1]] if self.experts else grad
 
 
-@dataclass
-class RankContext:
-    """Where this rank sits: its shard and replicate groups and the shared ledger."""
-
-    shard_group: object
-    shard_rank: int
-    shard_size: int
-    replicate_group: object
-    replicate_rank: int
-    replicate_size: int
-    ledger: comm.Ledger
+def _segments(members: list[Member], key, count: int) -> list[int]:
+    sizes = [0] * count
+    for m in members:
+        sizes[key(m)] += m.numel
+    return sizes
 
 
-class PackedGroup:
-    """Params of one hook boundary that share an owner.
+class Boundary:
+    """The packed buffer and gradient buffer of one hook boundary on this rank."""
 
-    A slice of experts of a 3-D param is a group of its own (``expert_base``): its packed
-    buffer is that slice of the param's storage, which the slices' groups share, so
-    the param stays one tensor while each slice comes from its own owner.
-    """
-
-    def __init__(self, boundary: str, owner_coord: tuple[int, int], params, ctx: RankContext,
-                 experts: tuple[int, int] | None = None, expert_base=None):
-        self.boundary = boundary
-        self.owner_replicate, self.owner_shard = owner_coord
-        self.ctx = ctx
-        self.members: list[Member] = []
+    def __init__(self, name: str, members: list[Member], ctx, param_dtype, master_dtype):
+        self.name, self.ctx = name, ctx
+        self.param_dtype, self.master_dtype = param_dtype, master_dtype
+        self.reduce_dtype = ctx.reduce_dtype or param_dtype
+        for m in members:
+            m.tp = tp_shard_of(m.param)
+            shape = m.module_tensor().shape
+            m.shape = torch.Size((m.experts[1] - m.experts[0], *shape[1:])) if m.experts \
+                else shape
+        members.sort(key=lambda m: (m.owner[1], m.owner[0], m.index))
         offset = 0
-        for fqn, p in params:
-            local = p._local_tensor if hasattr(p, "_local_tensor") else p
-            m = Member(fqn, p, local, offset, 0, tp_shard_of(p), experts)
-            m.numel = m.shape.numel()
-            self.members.append(m)
-            offset += m.numel
-        self.numel = offset
-        self.dtype, self.device = params[0][1].dtype, params[0][1].device
-        # Column owners (every rank of the owner's shard column) keep the full value;
-        # in 1-D there is one column owner, the owner itself.
-        self.is_column_owner = ctx.shard_rank == self.owner_shard
-        self.is_owner = self.is_column_owner and ctx.replicate_rank == self.owner_replicate
-        self.owned: list[nn.Parameter] = []
-        if self.is_column_owner:
-            self.owned = [nn.Parameter(self._initial_value(m)) for m in self.members]
-        self.storage = expert_base if expert_base is not None else torch.empty(
-            self.numel, dtype=self.dtype, device=self.device)
-        self._storage_nbytes = self.storage.numel() * self.storage.element_size()
-        if expert_base is None:
-            self.packed = self.storage
-            for m in self.members:
-                m.local.data = self.packed[m.offset:m.offset + m.numel].view(m.shape)
-        else:
-            per_expert = self.numel // (experts[1] - experts[0])
-            self._alloc()  # a sibling slice's group may have freed it already
-            self.packed = expert_base.view(-1)[experts[0] * per_expert:experts[1] * per_expert]
+        for m in members:
+            m.offset, offset = offset, offset + m.numel
+        self.members, self.numel = members, offset
+        self.params = list({id(m.param): m.param for m in members}.values())
+        self.column_sizes = _segments(members, lambda m: m.owner[1], ctx.shard_size)
+        s, r = ctx.shard_rank, ctx.replicate_rank
+        self.column = [m for m in members if m.owner[1] == s]
+        self.column_offset = sum(self.column_sizes[:s])
+        self.replica_sizes = _segments(self.column, lambda m: m.owner[0], ctx.replicate_size)
+        self.owned = [m for m in self.column if m.owner[0] == r]
+        self.owned_offset = sum(self.replica_sizes[:r])
+        self._allocate(ctx.device)
+        self.fresh = False  # the packed buffer holds the owners' current values
+        self.gather: comm.Pending | None = None
+        self.replicate: comm.Pending | None = None
+        self.grad_flat: torch.Tensor | None = None
+
+    # -- storage ---------------------------------------------------------------------
+    def _allocate(self, device) -> None:
+        empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
+        self.packed = empty(self.numel, self.param_dtype)
+        self.column_values = empty(self.column_sizes[self.ctx.shard_rank], self.param_dtype)
+        self.expert_bases = {}
+        for m in self.members:
+            if m.experts and id(m.param) not in self.expert_bases:
+                self.expert_bases[id(m.param)] = empty(m.param.shape, self.param_dtype)
+        self.masters: dict[str, nn.Parameter] = {}
+        for m in self.owned:
+            if self.master_dtype == self.param_dtype:
+                self.masters[m.fqn] = nn.Parameter(self._column_view(m))
+            else:
+                self.masters[m.fqn] = nn.Parameter(empty(m.shape, self.master_dtype))
+
+    @torch.no_grad()
+    def load_value(self, m: Member, value: torch.Tensor) -> None:
+        """A column unit's value: into the column values, and the master if owned."""
+        self._column_view(m).copy_(value)
+        if m.fqn in self.masters:
+            self.masters[m.fqn].copy_(value)
+
+    def load_initial_values(self) -> None:
+        """This column's values from the module's current, full tensors; called before
+        ``bind_views`` replaces them."""
+        for m in self.column:
+            value = m.module_tensor().detach()
+            self.load_value(m, value[m.experts[0]:m.experts[1]] if m.experts else value)
+
+    @torch.no_grad()
+    def set_param_dtype(self, param_dtype: torch.dtype) -> None:
+        """Mixed precision adopted after ``dedicate_params``: the buffers in the new
+        dtype, masters and column values carried over."""
+        values = self.column_values.to(self.master_dtype)
+        masters = {fqn: t.detach().clone() for fqn, t in self.masters.items()}
+        self.param_dtype = param_dtype
+        self.reduce_dtype = self.ctx.reduce_dtype or param_dtype
+        self._allocate(self.packed.device)
+        self.column_values.copy_(values)
+        for fqn, t in masters.items():
+            self.masters[fqn].copy_(t)
+        self.bind_views()
         self.free()
-        self.fresh = False  # packed buffer holds the owner's current values
-        self._ready: set[int] = set()
-        self._grad_flat: torch.Tensor | None = None
-        self._reduce_handle = None
-        self.replicate_handle = None
 
-    @staticmethod
-    def _initial_value(m: Member) -> torch.Tensor:
-        value = m.local.detach()
-        if m.experts is not None:
-            value = value[m.experts[0]:m.experts[1]]
-        return value.clone()
+    def _column_view(self, m: Member) -> torch.Tensor:
+        lo = m.offset - self.column_offset
+        return self.column_values[lo:lo + m.numel].view(m.shape)
 
-    # -- storage -----------------------------------------------------------------
+    def bind_views(self) -> None:
+        """Point the module's tensors at the packed buffer (3-D params: their base)."""
+        for m in self.members:
+            if m.experts:
+                m.param.data = self.expert_bases[id(m.param)]
+            else:
+                m.module_tensor().data = self.packed[m.offset:m.offset + m.numel].view(m.shape)
+
+    def check_views(self) -> None:
+        """Refuse a module whose tensors no longer view the packed buffer (a plain
+        ``to_empty``, or tensor parallelism applied after ``dedicate_params``): it would
+        compute with values DMuon never fills. Needs the buffer allocated."""
+        elt = self.packed.element_size()
+        for m in self.members:
+            tensor = m.module_tensor()
+            if m.experts:
+                expected = self.expert_bases[id(m.param)].data_ptr()
+            else:
+                expected = self.packed.data_ptr() + m.offset * elt
+            if tensor.data_ptr() != expected:
+                raise RuntimeError(
+                    f"'{m.fqn}' no longer views DMuon's packed buffer: it was replaced "
+                    "after dmuon.dedicate_params (tensor parallelism applied after DMuon, "
+                    "or model.to_empty; materialise with dmuon.materialize, and apply TP "
+                    "first, then dedicate_params, then fully_shard)")
+
+    def _storages(self):
+        return [self.packed, *self.expert_bases.values()]
+
     @property
     def allocated(self) -> bool:
-        return self.storage.untyped_storage().nbytes() > 0
+        return self.packed.untyped_storage().nbytes() > 0
+
+    def live_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self._storages())
+
+    def resident_bytes(self) -> int:
+        """Column values, plus masters kept apart from them (mixed precision)."""
+        masters = 0 if self.master_dtype == self.param_dtype else sum(
+            t.numel() * t.element_size() for t in self.masters.values())
+        return self.column_values.numel() * self.column_values.element_size() + masters
 
     def free(self) -> None:
-        self.storage.untyped_storage().resize_(0)
+        for t in self._storages():
+            t.untyped_storage().resize_(0)
         self.fresh = False
 
     def _alloc(self) -> None:
-        if not self.allocated:
-            self.storage.untyped_storage().resize_(self._storage_nbytes)
+        for t in self._storages():
+            if t.untyped_storage().nbytes() == 0:
+                t.untyped_storage().resize_(t.numel() * t.element_size())
 
-    # -- parameter broadcast ---------------------------------------------------------
-    @torch.no_grad()
-    def unshard(self, phase: str):
-        """Fill the packed buffer from the owner; returns the broadcast's handle."""
+    # -- parameters in ---------------------------------------------------------------
+    def start_gather(self, phase: str) -> None:
+        """Issue the all-gather that fills the packed buffer from the shard columns."""
+        if self.gather is not None or self.fresh:
+            return
+        self.wait_replicate()
         self._alloc()
         ctx = self.ctx
-        # In-place writes into storage autograd saved must not trip its version check:
-        # the values written are the ones that were saved.
-        with torch.autograd._unsafe_preserve_version_counter(self.packed):
-            if self.is_column_owner:
-                for m, own in zip(self.members, self.owned):
-                    self.packed[m.offset:m.offset + m.numel].copy_(own.view(-1))
-            handle = comm.broadcast(
-                self.packed, self.owner_shard, ctx.shard_group, ctx.ledger, "shard", phase
-            )
-        self.fresh = True
-        return handle
-
-    # -- gradient reduce -------------------------------------------------------------
-    def grad_ready(self, param: nn.Parameter, sync: bool, reshard: bool) -> None:
-        """Called as each member's gradient lands; the last one starts the reduce."""
-        self._ready.add(id(param))
-        if len(self._ready) < len(self.members):
-            return
-        self._ready.clear()
-        if sync:
-            self.start_reduce()
-        if reshard:
-            self.free()
+        with ctx.streams.issuing("gather"):
+            work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
+                                     ctx.shard_group, ctx.ledger, "shard", phase)
+        self.gather = comm.Pending(work, self.packed, self.column_values,
+                                   on_stream=ctx.streams.cuda)
 
     @torch.no_grad()
-    def start_reduce(self) -> None:
-        flat = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+    def wait_gather(self) -> None:
+        if self.gather is None:
+            return
+        self.gather.wait()
+        self.gather = None
         for m in self.members:
-            grad = m.local_grad()
-            if grad is not None:
-                flat[m.offset:m.offset + m.numel].copy_(grad.reshape(-1))
-                if m.experts is None:  # sibling slices still read a 3-D param's grad
-                    m.param.grad = None
-        self._grad_flat = flat
+            if m.experts:
+                base = self.expert_bases[id(m.param)]
+                base[m.experts[0]:m.experts[1]].copy_(
+                    self.packed[m.offset:m.offset + m.numel].view(m.shape))
+        self.fresh = True
+
+    # -- owner's values out ----------------------------------------------------------
+    @torch.no_grad()
+    def publish(self) -> None:
+        """The owners' masters, in ``param_dtype``, into the column values."""
+        if self.master_dtype == self.param_dtype:
+            return  # the masters are views into the column values
+        for m in self.owned:
+            self._column_view(m).copy_(self.masters[m.fqn])
+        self.fresh = False
+
+    def start_replicate(self) -> None:
+        """HSDP: every replica of the column gets the owners' new values."""
         ctx = self.ctx
-        self._reduce_handle = comm.reduce_sum(
-            flat, self.owner_shard, ctx.shard_group, ctx.ledger, "shard", "reduce"
-        )
+        self.wait_replicate()
+        self.fresh = False
+        if ctx.replicate_size == 1 or not self.column:
+            return
+        mine = self.column_values[self.owned_offset:
+                                  self.owned_offset + self.replica_sizes[ctx.replicate_rank]]
+        with ctx.streams.issuing("gather"):
+            work = comm.all_gather_v(self.column_values, self.replica_sizes, mine,
+                                     ctx.replicate_group, ctx.ledger, "replicate", "replicate")
+        self.replicate = comm.Pending(work, self.column_values, on_stream=ctx.streams.cuda)
 
-    @property
-    def reduce_pending(self) -> bool:
-        return self._reduce_handle is not None
+    def wait_replicate(self) -> None:
+        if self.replicate is not None:
+            self.replicate.wait()
+            self.replicate = None
 
-    def has_local_grads(self) -> bool:
-        return any(m.param.grad is not None for m in self.members)
+    # -- gradients -------------------------------------------------------------------
+    @torch.no_grad()
+    def accumulate(self, param: nn.Parameter) -> None:
+        """Add ``param``'s gradient into the boundary's gradient buffer, in
+        ``reduce_dtype``, and release it (accumulation across backward passes, with or
+        without ``no_sync``, sums here)."""
+        grad = param.grad
+        if grad is None:
+            return
+        if self.grad_flat is None:
+            self.grad_flat = torch.zeros(self.numel, dtype=self.reduce_dtype,
+                                         device=self.packed.device)
+        for m in self.members:
+            if m.param is param:
+                part = self.grad_flat[m.offset:m.offset + m.numel]
+                part.add_(m.grad_part(grad).reshape(-1))
+        param.grad = None
+
+    def take_gradient(self) -> torch.Tensor:
+        """This backward's summed local gradient (zeros where none landed)."""
+        flat, self.grad_flat = self.grad_flat, None
+        if flat is None:
+            flat = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.packed.device)
+        return flat
 
     @torch.no_grad()
-    def finish_reduce(self) -> None:
-        """Wait for the reduce; the owner takes the averaged gradient, others drop it."""
-        if self._reduce_handle is None:
-            return
-        self._reduce_handle.wait()
-        flat, ctx = self._grad_flat, self.ctx
-        self._reduce_handle = self._grad_flat = None
-        if ctx.replicate_size > 1 and self.is_column_owner:
-            comm.reduce_sum(
-                flat, self.owner_replicate, ctx.replicate_group, ctx.ledger,
-                "replicate", "reduce",
-            ).wait()
-        if not self.is_owner:
-            return
-        flat.div_(ctx.shard_size * ctx.replicate_size)
-        for m, own in zip(self.members, self.owned):
-            g = flat[m.offset:m.offset + m.numel].view(own.shape)
-            own.grad = g if own.grad is None else own.grad.add_(g)
-
-    # -- HSDP post-step fan-out ------------------------------------------------------
-    def start_replicate_broadcast(self) -> None:
-        if self.ctx.replicate_size == 1 or not self.is_column_owner:
-            return
-        flat = torch.cat([own.detach().view(-1) for own in self.owned])
-        handle = comm.broadcast(
-            flat, self.owner_replicate, self.ctx.replicate_group, self.ctx.ledger,
-            "replicate", "replicate",
-        )
-        self.replicate_handle = (handle, flat)
-
-    @torch.no_grad()
-    def wait_replicate_broadcast(self) -> None:
-        if self.replicate_handle is None:
-            return
-        handle, flat = self.replicate_handle
-        self.replicate_handle = None
-        handle.wait()
-        if not self.is_owner:
-            for m, own in zip(self.members, self.owned):
-                own.copy_(flat[m.offset:m.offset + m.numel].view(own.shape))
+    def land(self, owned_flat: torch.Tensor, divisor: int) -> None:
+        """Add the averaged gradient of the owned units into the masters' ``.grad``."""
+        owned_flat.div_(divisor)
+        lo = 0
+        for m in self.owned:
+            g = owned_flat[lo:lo + m.numel].view(m.shape)
+            lo += m.numel
+            master = self.masters[m.fqn]
+            if master.grad is None:
+                master.grad = g.to(master.dtype) if g.dtype != master.dtype else g
+            else:
+                master.grad.add_(g)

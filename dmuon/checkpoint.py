@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .dedicate import _allow_raw_state_dict, get_state
+from .dedicate import get_state
+from .state_dict import allow_raw_state_dict
 
 MANIFEST = "dmuon_manifest.json"
 _GROUP_KEYS_SKIPPED = ("params",)
@@ -35,14 +36,15 @@ def _param_fqns(model: nn.Module) -> dict[int, str]:
 def _ensure_optimizer_state(model: nn.Module, optimizer) -> None:
     """Materialise state the optimizer creates lazily, with the values its first step
     would start from, so that every rank knows which tensors to load into."""
-    for p in optimizer.param_groups[0]["params"]:
-        optimizer.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-    for p in optimizer.param_groups[1]["params"]:
-        s = optimizer.state[p]
-        if not s:
-            s["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            s["exp_avg"] = torch.zeros_like(p)
-            s["exp_avg_sq"] = torch.zeros_like(p)
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            s = optimizer.state[p]
+            if group["kind"] == "muon":
+                s.setdefault("momentum_buffer", torch.zeros_like(p))
+            elif not s:
+                s["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                s["exp_avg"] = torch.zeros_like(p)
+                s["exp_avg_sq"] = torch.zeros_like(p)
 
 
 def _tp_wrapped(tensor: torch.Tensor, tp) -> torch.Tensor:
@@ -64,7 +66,7 @@ def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def _global_model_keys(model: nn.Module) -> set[str]:
-    with _allow_raw_state_dict():
+    with allow_raw_state_dict():
         raw = model.state_dict()
     plan = get_state(model).plan
     keys = set()
@@ -86,17 +88,17 @@ def _scalar_dtype() -> torch.dtype:
 def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
     """``(model_state_dict, optimizer_state_dict)`` of this rank's share, keyed by FQN.
 
-    Dedicated params appear on the ranks that keep them in full (their owner's shard
-    column); everything else as FSDP2 DTensors. Optimizer state is keyed
+    Dedicated params appear on their owners, as the masters (fp32 under mixed
+    precision); everything else as FSDP2 DTensors. Optimizer state is keyed
     ``{fqn: {state_name: tensor}}`` plus ``param_groups`` hyperparameters.
     """
     state = get_state(model)
     state.drain()
-    with _allow_raw_state_dict():
+    with allow_raw_state_dict():
         raw = model.state_dict()
-    tp_of = {m.fqn: m.tp for g in state.groups for m in g.members if m.tp is not None}
-    column_owned = {m.fqn: _tp_wrapped(own, m.tp) for g in state.groups if g.is_column_owner
-                    for m, own in zip(g.members, g.owned)}
+    tp_of = {m.fqn: m.tp for b in state.boundaries for m in b.members if m.tp is not None}
+    column_owned = {m.fqn: _tp_wrapped(b.masters[m.fqn], m.tp)
+                    for b in state.boundaries for m in b.owned}
     units_of = state.plan.param_fqns
     model_sd = {}
     for key, value in raw.items():
@@ -142,8 +144,10 @@ def set_state_dict(model: nn.Module, optimizer, state_dict) -> None:
             _copy(dst, optim_sd["state"][fqn][name], f"optim/{fqn}/{name}")
     for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
         group.update({k: v for k, v in saved.items() if k not in _GROUP_KEYS_SKIPPED})
-    for g in get_state(model).groups:
-        g.fresh = False
+    for b in get_state(model).boundaries:  # the owners' loaded values reach their replicas
+        b.publish()
+        b.start_replicate()
+        b.wait_replicate()
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:

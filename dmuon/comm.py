@@ -1,10 +1,11 @@
-"""Every collective DMuon issues, and the byte ledger that counts them.
+"""Every collective DMuon issues, the streams it issues them on, and the byte ledger.
 
 Bytes follow the bandwidth-optimal cost model per rank: broadcast, reduce, all-gather
 and reduce-scatter move (n-1)/n x S, all-reduce 2(n-1)/n x S, for a payload of S bytes
-on a group of n ranks. Counts are exact (fractions) and kept per mesh dimension
-(``shard``, ``replicate``, ``tp``) and phase (``forward``, ``backward``, ``reduce``,
-``step``, ``replicate``, ``state_dict``, ``checkpoint``).
+on a group of n ranks (for the uneven all-gather and reduce-scatter, S is the whole
+gathered or reduced tensor). Counts are exact (fractions) and kept per mesh dimension
+(``shard``, ``replicate``, ``tp``) and phase (``forward``, ``backward``, ``recompute``,
+``reduce``, ``step``, ``replicate``, ``state_dict``, ``checkpoint``).
 
 The collectives are looked up on ``torch.distributed`` at call time, so a test that
 patches them sees every call.
@@ -12,6 +13,7 @@ patches them sees every call.
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 from fractions import Fraction
 
@@ -19,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 DIMS = ("shard", "replicate", "tp")
-PHASES = ("forward", "backward", "reduce", "step", "replicate", "state_dict", "checkpoint")
+PHASES = ("forward", "backward", "recompute", "reduce", "step", "replicate", "state_dict",
+          "checkpoint")
 _FACTOR = {"broadcast": 1, "reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
 
 
@@ -66,11 +69,53 @@ class Ledger:
         return out
 
 
-class _Done:
-    """A finished handle, for collectives that need no communication (group of 1)."""
+class Pending:
+    """An issued collective and the buffers it reads or writes, kept alive until it is
+    waited for (on CUDA the caching allocator may otherwise hand their memory to the
+    compute stream while the communication stream still uses it)."""
 
-    def wait(self) -> bool:
-        return True
+    def __init__(self, work, *buffers, on_stream: bool = False):
+        self.work, self.buffers, self.on_stream = work, buffers, on_stream
+
+    def done(self) -> bool:
+        """True once waiting costs nothing: on a CUDA stream the wait only orders
+        streams; on the CPU the work must have finished."""
+        return self.work is None or self.on_stream or self.work.is_completed()
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()  # NCCL: the current stream waits; gloo: the thread blocks
+            self.work = None
+
+
+class Streams:
+    """Where collectives are issued. On CUDA, parameter gathers and gradient reduces each
+    get a stream of their own, which first waits for the compute stream so that their
+    inputs are ready; consumers wait for the work, which on NCCL orders the compute
+    stream after it without blocking the CPU. On the CPU gloo runs async work on its own
+    threads: no streams, and nothing here touches ``torch.cuda``."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._streams = {}
+        if self.cuda:
+            self._streams = {kind: torch.cuda.Stream(device) for kind in ("gather", "reduce")}
+
+    @contextlib.contextmanager
+    def issuing(self, kind: str):
+        stream = self._streams.get(kind)
+        if stream is None:
+            yield
+            return
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream):
+            yield
+
+
+def wait(work) -> None:
+    """Wait for a collective these functions returned (None: nothing was sent)."""
+    if work is not None:
+        work.wait()
 
 
 def _size(group) -> int:
@@ -78,30 +123,53 @@ def _size(group) -> int:
 
 
 def broadcast(tensor: torch.Tensor, src: int, group, ledger: Ledger, dim: str, phase: str):
-    """Async broadcast from group rank ``src``; returns a handle with ``wait()``."""
+    """Async broadcast from group rank ``src``; returns the work (or None for n = 1)."""
     n = _size(group)
     ledger.record("broadcast", tensor.numel() * tensor.element_size(), n, dim, phase)
     if n == 1:
-        return _Done()
+        return None
     return dist.broadcast(tensor, group=group, group_src=src, async_op=True)
-
-
-def reduce_sum(tensor: torch.Tensor, dst: int, group, ledger: Ledger, dim: str, phase: str):
-    """Async sum-reduce to group rank ``dst``.
-
-    SUM then an explicit divide by the caller, because gloo's AVG is unreliable
-    (pytorch issue 162338). Non-destination ranks are left with partial sums.
-    """
-    n = _size(group)
-    ledger.record("reduce", tensor.numel() * tensor.element_size(), n, dim, phase)
-    if n == 1:
-        return _Done()
-    return dist.reduce(tensor, group=group, group_dst=dst, op=dist.ReduceOp.SUM, async_op=True)
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str):
     n = _size(group)
     ledger.record("all_reduce", tensor.numel() * tensor.element_size(), n, dim, phase)
     if n == 1:
-        return _Done()
+        return None
     return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)
+
+
+def all_gather_v(out: torch.Tensor, sizes: list[int], mine: torch.Tensor, group,
+                 ledger: Ledger, dim: str, phase: str):
+    """Async gather of every rank's segment (``sizes[i]`` elements from group rank i,
+    this rank's being ``mine``) into the flat ``out``, in group-rank order.
+
+    NCCL runs an all-gather with uneven sizes as broadcasts coalesced into one launch
+    (pytorch PR 83713). Gloo refuses uneven all-gathers, so the CPU path is one uneven
+    all-to-all in which every rank sends its segment to each peer: the same bytes per
+    rank, at the price of a transient copy of the segment per peer.
+    """
+    n = _size(group)
+    ledger.record("all_gather", out.numel() * out.element_size(), n, dim, phase)
+    if n == 1:
+        out.copy_(mine)
+        return None
+    if out.is_cuda:
+        return dist.all_gather(list(out.split(sizes)), mine, group=group, async_op=True)
+    return dist.all_to_all_single(out, mine.repeat(n), output_split_sizes=sizes,
+                                  input_split_sizes=[mine.numel()] * n, group=group,
+                                  async_op=True)
+
+
+def reduce_scatter_v(out: torch.Tensor, full: torch.Tensor, sizes: list[int], group,
+                     ledger: Ledger, dim: str, phase: str):
+    """Async sum of ``full`` over the group, segment i (``sizes[i]`` elements) landing on
+    group rank i as ``out``. SUM, with the caller dividing, because gloo's AVG is
+    unreliable (pytorch issue 162338)."""
+    n = _size(group)
+    ledger.record("reduce_scatter", full.numel() * full.element_size(), n, dim, phase)
+    if n == 1:
+        out.copy_(full)
+        return None
+    return dist.reduce_scatter(out, list(full.split(sizes)), op=dist.ReduceOp.SUM,
+                               group=group, async_op=True)

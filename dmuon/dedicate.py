@@ -1,33 +1,102 @@
-"""``dedicate_params``: give every Muon-target matrix one owner, pack the rest of the
-ranks' copies into per-(boundary, owner) buffers and install the hooks."""
+"""``dedicate_params``: give every Muon-target matrix one owner, lay each hook boundary's
+matrices out in one packed buffer, and install the hooks.
+
+DMuon issues its collectives on process groups of its own (same members as the mesh's):
+its gradient reduces follow an order of their own (see ``reduce.py``), which must never
+interleave with FSDP2's collectives on a shared communicator, and on NCCL separate
+communicators let DMuon's traffic overlap FSDP2's.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import comm
-from .buffers import PackedGroup, RankContext
+from .buffers import Boundary, Member
 from .hooks import BoundaryHooks
 from .partition import DedicationPlan, partition
+from .reduce import GradientReduce
 
 _STATE_ATTR = "_dmuon_state"
 _DEDICATED_ATTR = "_dmuon_dedicated"
-_guard = threading.local()
+
+
+@dataclasses.dataclass
+class RankContext:
+    """Where this rank sits, the groups DMuon talks on, and how it casts."""
+
+    device: torch.device
+    shard_group: object  # parameter all-gathers
+    reduce_group: object  # gradient reduce-scatters (same members)
+    shard_rank: int
+    shard_size: int
+    replicate_group: object
+    replicate_rank: int
+    replicate_size: int
+    ledger: comm.Ledger
+    streams: comm.Streams
+    reduce_dtype: torch.dtype | None = None
+
+
+def _groups_like(group, copies: int) -> list:
+    """``copies`` new groups with ``group``'s members. ``new_group`` is collective over
+    the world, so every rank creates every row's groups, in one order."""
+    mine = tuple(dist.get_process_group_ranks(group))
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mine)
+    out = []
+    for _ in range(copies):
+        for row in sorted(set(rows)):
+            new = dist.new_group(list(row))
+            if row == mine:
+                out.append(new)
+    return out
+
+
+def _mesh_device(mesh) -> torch.device:
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
+def _rank_context(mesh, replicate_mesh, reduce_dtype) -> RankContext:
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"dedicate_params got a {mesh.ndim}-D mesh {mesh.mesh_dim_names} without "
+            "replicate_mesh; for HSDP pass mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']"
+        )
+    if replicate_mesh is not None and replicate_mesh.ndim != 1:
+        raise ValueError("replicate_mesh must be a 1-D mesh (the 'replicate' dim of the HSDP mesh)")
+    device = _mesh_device(mesh)
+    shard_group, reduce_group = _groups_like(mesh.get_group(), 2)
+    r = replicate_mesh
+    replicate_group = _groups_like(r.get_group(), 1)[0] if r is not None else None
+    return RankContext(
+        device, shard_group, reduce_group, mesh.get_local_rank(), mesh.size(),
+        replicate_group, r.get_local_rank() if r is not None else 0,
+        r.size() if r is not None else 1, comm.Ledger(), comm.Streams(device), reduce_dtype,
+    )
 
 
 class DMuonState:
     """Everything ``dedicate_params`` attaches to a model (one per model)."""
 
-    def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool):
+    def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool,
+                 prefetch: int):
         self.plan, self.ctx = plan, ctx
         self.reshard_after_forward = reshard_after_forward
-        self.groups: list[PackedGroup] = []
-        self.boundaries: dict[str, BoundaryHooks] = {}
+        self.prefetch_depth = prefetch
+        self.boundaries: list[Boundary] = []  # forward order
+        self.hooks: list[BoundaryHooks] = []
+        self.reduce: GradientReduce | None = None
+        self.in_backward = False
+        self.needs_init = False
+        self.mp_policy = None
+        self.optimizer_attached = False
         self.memory_trace: list[tuple[str, int]] | None = None
 
     @property
@@ -35,44 +104,99 @@ class DMuonState:
         return self.ctx.ledger
 
     @property
-    def owned_params(self) -> dict[str, nn.Parameter]:
-        """FQN -> this rank's authoritative copy, for params this rank owns."""
-        return {
-            m.fqn: own
-            for g in self.groups if g.is_owner
-            for m, own in zip(g.members, g.owned)
-        }
+    def owned_params(self) -> dict[str, torch.Tensor]:
+        """Unit FQN -> this rank's master copy, for the units this rank owns."""
+        return {fqn: t for b in self.boundaries for fqn, t in b.masters.items()}
 
     def live_packed_bytes(self) -> int:
-        storages = {id(g.storage): g.storage.untyped_storage().nbytes() for g in self.groups}
-        return sum(storages.values())
+        return sum(b.live_bytes() for b in self.boundaries)
 
     def trace(self, event: str) -> None:
         if self.memory_trace is not None:
             self.memory_trace.append((event, self.live_packed_bytes()))
 
+    def check_initialised(self) -> None:
+        if self.needs_init:
+            raise RuntimeError("the model was dedicated on the meta device: call "
+                               "dmuon.materialize(model, ...) before the first forward")
+
+    def prefetch(self, hooks: BoundaryHooks, forward: bool) -> None:
+        """Issue the all-gathers of the next boundaries (in backward: the previous ones,
+        Z3 only), so they overlap this boundary's compute. Every rank issues the same."""
+        if forward == self.in_backward or not (forward or self.reshard_after_forward):
+            return
+        i, step = self.hooks.index(hooks), 1 if forward else -1
+        for k in range(1, self.prefetch_depth + 1):
+            j = i + step * k
+            if 0 <= j < len(self.boundaries):
+                self.boundaries[j].start_gather("forward" if forward else "backward")
+
+    # -- the root's hooks: where one iteration's backward begins and ends -----------------
+    def install_root_hooks(self, model: nn.Module) -> None:
+        def pre_forward(module, args):
+            if not self.in_backward:
+                return
+            self.end_backward()
+
+        def post_forward(module, args, output):
+            if torch.is_grad_enabled() and not self.in_backward:
+                from torch.utils._pytree import tree_flatten
+
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._backward_begins)
+            return output
+
+        model.register_forward_pre_hook(pre_forward)
+        model.register_forward_hook(post_forward)
+
+    def _backward_begins(self, grad):
+        if self.in_backward and self.reduce.backward_open:
+            return grad  # another output of the same forward
+        self.in_backward = True
+        self.reduce.begin_backward()
+        return grad
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        self.reduce.end_backward()
+        for h in self.hooks:
+            h.reset()
+
+    def adopt_mp_policy(self, policy) -> None:
+        """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy per model."""
+        if self.mp_policy is not None:
+            if self.mp_policy != policy:
+                raise ValueError(f"fully_shard(mp_policy={policy}) differs from DMuon's "
+                                 f"{self.mp_policy}: one policy per dedicated model")
+            return
+        if self.optimizer_attached or self.ledger.steps_closed or self.ledger.current():
+            raise RuntimeError("a mixed-precision policy must be set before the first "
+                               "forward and before dmuon.Muon is created")
+        self.mp_policy = policy
+        self.ctx.reduce_dtype = policy.reduce_dtype
+        for b in self.boundaries:
+            b.set_param_dtype(policy.param_dtype or b.master_dtype)
+
     def finish_gradient_sync(self) -> None:
-        """Reduce whatever the grad hooks have not (unused params), then wait for all."""
-        for g in self.groups:
-            if not g.reduce_pending and g.has_local_grads():
-                g.start_reduce()
-        for g in self.groups:
-            for m in g.members:
-                if m.experts is not None:  # every slice has taken its part by now
-                    m.param.grad = None
-            g.finish_reduce()
+        """Every gradient reduced and landed on its owner (optimizer step, clipping)."""
+        self.end_backward()
+        self.reduce.finish(self.boundaries)
 
     def after_step(self, replicate_async: bool) -> None:
-        for g in self.groups:
-            g.fresh = False
-            g.start_replicate_broadcast()
+        for b in self.boundaries:
+            b.wait_gather()
+            if self.reshard_after_forward:
+                b.free()  # a prefetched boundary that did not run this iteration
+            b.publish()
+            b.start_replicate()
         if not replicate_async:
             self.drain()
 
     def drain(self) -> None:
-        """Wait for pending post-step broadcasts (before anything reads owned values)."""
-        for g in self.groups:
-            g.wait_replicate_broadcast()
+        """Wait for pending replicate all-gathers (before anything reads column values)."""
+        for b in self.boundaries:
+            b.wait_replicate()
 
 
 def get_state(model: nn.Module) -> DMuonState:
@@ -91,6 +215,11 @@ def is_dedicated(param: nn.Parameter) -> bool:
     return bool(getattr(param, _DEDICATED_ATTR, False))
 
 
+def ignored_params(model: nn.Module) -> set[nn.Parameter]:
+    """The dedicated params under ``model``, for ``fully_shard(..., ignored_params=...)``."""
+    return {p for p in model.parameters() if is_dedicated(p)}
+
+
 def _check_not_fully_sharded(model: nn.Module) -> None:
     from torch.distributed.fsdp import FSDPModule
 
@@ -103,45 +232,35 @@ def _check_not_fully_sharded(model: nn.Module) -> None:
             )
 
 
-def _boundary_groups(plan, boundary, units, params, ctx) -> list[PackedGroup]:
-    """One packed group per owner of the boundary's matrices, plus one per slice of
-    experts of each 3-D param (the slices share that param's storage)."""
-    by_owner: dict[int, list] = {}
-    groups, expert_bases = [], {}
-    for unit in units:
-        a = plan.params[unit]
-        if a.experts is None:
-            by_owner.setdefault(a.owner, []).append((unit, params[unit]))
-            continue
-        param = params[a.param]
-        if a.param not in expert_bases:
-            expert_bases[a.param] = torch.empty_like(param.detach())
-        groups.append(PackedGroup(boundary, a.owner_coord, [(unit, param)], ctx,
-                                  experts=a.experts, expert_base=expert_bases[a.param]))
-    for fqn, base in expert_bases.items():
-        params[fqn].data = base  # after the slices' owners took their initial values
-    groups += [PackedGroup(boundary, plan.params[members[0][0]].owner_coord, members, ctx)
-               for _, members in sorted(by_owner.items())]
-    return groups
+def _members(plan: DedicationPlan, params: dict) -> dict[str, list[Member]]:
+    out: dict[str, list[Member]] = {}
+    for index, (unit, a) in enumerate(plan.params.items()):
+        out.setdefault(a.boundary, []).append(
+            Member(unit, params[a.param], a.owner_coord, index, experts=a.experts))
+    return out
 
 
-def _rank_context(mesh, replicate_mesh) -> RankContext:
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"dedicate_params got a {mesh.ndim}-D mesh {mesh.mesh_dim_names} without "
-            "replicate_mesh; for HSDP pass mesh=hsdp['shard'], replicate_mesh=hsdp['replicate']"
-        )
-    if replicate_mesh is not None and replicate_mesh.ndim != 1:
-        raise ValueError("replicate_mesh must be a 1-D mesh (the 'replicate' dim of the HSDP mesh)")
-    ledger = comm.Ledger()
-    shard_group = mesh.get_group()
-    if replicate_mesh is None:
-        return RankContext(shard_group, mesh.get_local_rank(), mesh.size(), None, 0, 1, ledger)
-    return RankContext(
-        shard_group, mesh.get_local_rank(), mesh.size(),
-        replicate_mesh.get_group(), replicate_mesh.get_local_rank(), replicate_mesh.size(),
-        ledger,
-    )
+def _param_dtype(members: list[Member], mp_policy) -> tuple[torch.dtype, torch.dtype]:
+    dtypes = {m.param.dtype for m in members}
+    if len(dtypes) != 1:
+        raise ValueError(f"hook boundary params have mixed dtypes {sorted(map(str, dtypes))}")
+    master = dtypes.pop()
+    param_dtype = getattr(mp_policy, "param_dtype", None) or master
+    return param_dtype, master
+
+
+def build_boundaries(state: DMuonState, params: dict, policy) -> None:
+    """Packed buffers for every boundary, filled with the params' current values
+    (unless on the meta device), the module's tensors then viewing them."""
+    state.needs_init = any(params[fqn].is_meta for fqn in state.plan.param_fqns)
+    state.boundaries = []
+    for name, members in _members(state.plan, params).items():
+        b = Boundary(name, members, state.ctx, *_param_dtype(members, policy))
+        if not state.needs_init:
+            b.load_initial_values()
+        b.bind_views()
+        b.free()
+        state.boundaries.append(b)
 
 
 def dedicate_params(
@@ -153,108 +272,45 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     hook_boundary_predicate=None,
     hook_boundary_strict: bool = True,
+    mp_policy=None,
+    prefetch: int = 1,
 ) -> DedicationPlan:
-    """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan."""
+    """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
+
+    ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``, or set by ``dmuon.fully_shard``):
+    packed buffers and gathers in ``param_dtype``, reduces in ``reduce_dtype``, masters
+    and momentum in the params' own dtype. ``prefetch``: how many boundaries ahead the
+    forward (and, in Z3, the backward) issues all-gathers. A model on the meta device is
+    planned and laid out without values; ``dmuon.materialize`` then creates them.
+    """
     if hasattr(model, _STATE_ATTR):
         raise RuntimeError("dedicate_params was already called on this model")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     _check_not_fully_sharded(model)
-    ctx = _rank_context(mesh, replicate_mesh)
     plan = partition(
-        model, predicate=predicate, shard_size=ctx.shard_size,
-        replicate_size=ctx.replicate_size, hook_boundary_predicate=hook_boundary_predicate,
+        model, predicate=predicate, shard_size=mesh.size(),
+        replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
+        hook_boundary_predicate=hook_boundary_predicate,
         hook_boundary_strict=hook_boundary_strict,
     )
+    ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
+    state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
+    state.mp_policy = mp_policy
     params = dict(model.named_parameters())
-    for fqn in plan.param_fqns:
-        if params[fqn].is_meta:
-            raise ValueError(
-                f"'{fqn}' is on the meta device: dedicate_params needs materialised "
-                "parameters (use dmuon.partition to plan a meta model)"
-            )
-    state = DMuonState(plan, ctx, reshard_after_forward)
-    for boundary, units in plan.boundaries.items():
-        groups = _boundary_groups(plan, boundary, units, params, ctx)
-        state.groups.extend(groups)
-        state.boundaries[boundary] = BoundaryHooks(
-            boundary, model.get_submodule(boundary), groups, state
-        )
-    for g in state.groups:
-        for m in g.members:
+    build_boundaries(state, params, mp_policy)
+    state.hooks = [BoundaryHooks(b, model.get_submodule(b.name), state) for b in state.boundaries]
+    state.reduce = GradientReduce(state.boundaries, ctx, len(plan.params))
+    state.install_root_hooks(model)
+    for b in state.boundaries:
+        for m in b.members:
             if m.tp is not None:
                 plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
     for fqn in plan.param_fqns:
         setattr(params[fqn], _DEDICATED_ATTR, fqn)  # truthy, and names it in errors
-    _install_state_dict_guard(model, plan)
+        params[fqn]._dmuon_owner_state = state  # param groups find the state
+    from .state_dict import install_state_dict_guard
+
+    install_state_dict_guard(model, plan)
     setattr(model, _STATE_ATTR, state)
     return plan
-
-
-# -- state dicts ---------------------------------------------------------------------
-
-@contextlib.contextmanager
-def _allow_raw_state_dict():
-    prev = getattr(_guard, "allowed", False)
-    _guard.allowed = True
-    try:
-        yield
-    finally:
-        _guard.allowed = prev
-
-
-def _install_state_dict_guard(model: nn.Module, plan: DedicationPlan) -> None:
-    parents = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in plan.param_fqns}
-
-    def refuse(action):
-        def hook(module, *args, **kwargs):
-            if getattr(_guard, "allowed", False):
-                return
-            raise RuntimeError(
-                f"{action} would {'return' if action == 'state_dict' else 'write'} DMuon "
-                "placeholders: Muon-target params live in full only on their owner rank. "
-                "Use dmuon.full_state_dict(model) for full tensors on every rank, or "
-                "dmuon.checkpoint for sharded save/load"
-            )
-        return hook
-
-    for name in parents:
-        module = model.get_submodule(name)
-        module.register_state_dict_pre_hook(refuse("state_dict"))
-        module.register_load_state_dict_pre_hook(refuse("load_state_dict"))
-
-
-@torch.no_grad()
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and persistent buffer in full, by FQN, on every rank.
-
-    Collective: every rank of the mesh must call it. Dedicated params come from
-    their owners' authoritative copies; FSDP2 shards are all-gathered.
-    """
-    state = get_state(model)
-    state.drain()
-    with _allow_raw_state_dict():
-        raw = model.state_dict()
-    full: dict[str, torch.Tensor] = {}
-    owned_values = {}
-    for g in state.groups:
-        flat = torch.empty(g.numel, dtype=g.dtype, device=g.device)
-        if g.is_column_owner:
-            torch.cat([o.view(-1) for o in g.owned], out=flat)
-        comm.broadcast(flat, g.owner_shard, state.ctx.shard_group, state.ledger,
-                       "shard", "state_dict").wait()
-        for m in g.members:
-            local = flat[m.offset:m.offset + m.numel].view(m.shape)
-            owned_values[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
-    for fqn, units in state.plan.param_fqns.items():
-        if units != [fqn]:  # a 3-D param from its slices of experts
-            owned_values[fqn] = torch.cat([owned_values.pop(u) for u in units])
-    for key, value in raw.items():
-        if key in owned_values:
-            full[key] = owned_values[key].clone()
-        elif hasattr(value, "full_tensor"):
-            tensor = value.full_tensor()
-            # on a shard dim of size 1 full_tensor() returns the live local shard itself
-            aliased = tensor.data_ptr() == value.to_local().data_ptr()
-            full[key] = tensor.clone() if aliased else tensor
-        else:
-            full[key] = value.detach().clone()
-    return full

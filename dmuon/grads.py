@@ -1,4 +1,5 @@
-"""Gradient accumulation and clipping across owned and FSDP2 gradients."""
+"""Gradient accumulation without communication, and clipping across owned and FSDP2
+gradients."""
 
 from __future__ import annotations
 
@@ -12,28 +13,20 @@ from . import comm
 from .dedicate import get_state, is_dedicated
 
 
-def set_gradient_sync(model: nn.Module, sync: bool, recurse: bool = True) -> None:
-    """DMuon's half of ``FSDPModule.set_requires_gradient_sync``: the import-time patch
-    calls it, so that FSDP2's own switch turns DMuon's reduce on and off too."""
-    for module in model.modules() if recurse else (model,):
-        boundary = getattr(module, "_dmuon_boundary", None)
-        if boundary is not None:
-            boundary.sync_gradients = sync
-
-
 @contextlib.contextmanager
 def no_sync(model: nn.Module):
     """Accumulate gradients locally; the first backward after the context reduces the
-    accumulated sum (DMuon's reduce and FSDP2's reduce-scatter alike)."""
-    get_state(model)
+    accumulated sum (DMuon's reduce and FSDP2's reduce-scatter alike). Without it,
+    repeated backward passes accumulate too, each one reducing its own gradient."""
+    state = get_state(model)
     fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
-    set_gradient_sync(model, False)
+    state.reduce.sync = False
     for m in fsdp_modules:
         m.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        set_gradient_sync(model, True)
+        state.reduce.sync = True
         for m in fsdp_modules:
             m.set_requires_gradient_sync(True, recurse=False)
 
@@ -51,17 +44,16 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, eps: float = 1e-6) -> tor
     owned = [p.grad for p in state.owned_params.values() if p.grad is not None]
     sharded = [p.grad for p in model.parameters() if not is_dedicated(p) and p.grad is not None]
     local = [g.to_local() if hasattr(g, "to_local") else g for g in sharded]
-    dtype = (owned or local or [torch.zeros(())])[0].dtype
-    device = (owned or local or [torch.zeros(())])[0].device
-    sq = torch.zeros(2, dtype=dtype, device=device)
-    for g in owned:
-        sq[0] += g.pow(2).sum()
-    for g in local:
-        sq[1] += g.pow(2).sum()
     ctx = state.ctx
-    comm.all_reduce_sum(sq, ctx.shard_group, ctx.ledger, "shard", "step").wait()
+    # squares summed in at least fp32 (bf16 gradients under mixed precision)
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in owned + local) else torch.float32
+    sq = torch.zeros(2, dtype=acc, device=ctx.device)
+    for i, grads in enumerate((owned, local)):
+        for g in grads:
+            sq[i] += g.to(acc).pow(2).sum()
+    comm.wait(comm.all_reduce_sum(sq, ctx.reduce_group, ctx.ledger, "shard", "step"))
     if ctx.replicate_size > 1:
-        comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step").wait()
+        comm.wait(comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step"))
     total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
     coef = float(max_norm) / (total.item() + eps)
     if coef < 1 and math.isfinite(coef):

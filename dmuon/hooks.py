@@ -1,82 +1,131 @@
-"""Module hooks at hook boundaries: broadcast before forward, free after it (Z3),
-re-broadcast before the boundary's backward (Z3), and per-param gradient hooks."""
+"""Module and autograd hooks at hook boundaries.
+
+Forward: the boundary's all-gather (issued earlier by prefetch when possible), then the
+next boundaries' all-gathers are issued so that they overlap this boundary's compute;
+Z3 frees the buffer after the forward. Backward (Z3): the first gradient reaching the
+boundary's outputs re-gathers it and prefetches the boundary before it. A function on
+the boundary's inputs marks the end of its backward: gradients are complete, Z3 frees
+the buffer again, and the reduce is handed to the ordered gradient reduce.
+
+Activation checkpointing re-runs a boundary's forward inside the backward. Then the
+buffer is gathered if needed (ledger phase ``recompute``) and never freed by the
+recomputed forward: autograd is about to read it (FSDP2 has the same guard).
+"""
 
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the boundary's inputs whose backward runs once the boundary's own
+    backward is over (FSDP2 marks its post-backward the same way)."""
+
+    @staticmethod
+    def forward(ctx, hooks, *tensors):
+        ctx.hooks = hooks
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.hooks.post_backward()
+        return (None, *grads)
 
 
 class BoundaryHooks:
-    """The hooks of one hook boundary, over all of its (boundary, owner) groups."""
+    """The hooks of one hook boundary."""
 
-    def __init__(self, name: str, module: torch.nn.Module, groups, state):
-        self.name, self.module, self.groups, self.state = name, module, groups, state
-        self._needs_regather = False
+    def __init__(self, boundary, module: torch.nn.Module, state):
+        self.boundary, self.module, self.state = boundary, module, state
+        self.name = boundary.name
         self._checked = False
-        self.sync_gradients = True  # False while accumulating (no_sync)
+        self._pending_calls = 0  # forward calls whose backward has not finished
+        self._complete_on_grads = False  # inputs need no grad: the last gradient ends it
+        self._grads_seen: set[int] = set()
+        self._regathered = False
         module._dmuon_boundary = self
-        module.register_forward_pre_hook(self._pre_forward)
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
-        for group in groups:
-            for m in group.members:
-                m.param.register_post_accumulate_grad_hook(self._grad_hook(group))
+        for p in boundary.params:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
 
-    def unshard(self, phase: str) -> None:
-        handles = []
-        for g in self.groups:
-            g.wait_replicate_broadcast()
-            if not g.fresh:
-                handles.append(g.unshard(phase))
-        for h in handles:
-            h.wait()
-        self.state.trace(f"{phase}:{self.name}")
-
-    def _pre_forward(self, module, args):
+    # -- forward -----------------------------------------------------------------------
+    def _pre_forward(self, module, args, kwargs):
+        b, state = self.boundary, self.state
+        recompute = state.in_backward
+        if not recompute:
+            self._regathered = False
+        state.check_initialised()
+        b.start_gather("recompute" if recompute else "forward")
+        if not recompute:
+            state.prefetch(self, forward=True)
+        b.wait_gather()
         if not self._checked:
-            self._check_params_in_place()
-        self.unshard("forward")
+            b.check_views()
+            self._checked = True
+        state.trace(f"{'recompute' if recompute else 'forward'}:{self.name}")
+        if recompute and self._pending_calls:  # non-reentrant: the original graph runs
+            return args, kwargs
+        return self._mark_inputs(args, kwargs)
 
-    def _check_params_in_place(self) -> None:
-        """Refuse a model whose dedicated params were swapped out (TP applied after DMuon)."""
-        for g in self.groups:
-            for m in g.members:
-                fqn = m.fqn.split("[")[0]  # a slice of experts names its param first
-                parent, _, attr = fqn[len(self.name):].lstrip(".").rpartition(".")
-                owner = self.module.get_submodule(parent) if parent else self.module
-                if getattr(owner, attr) is not m.param:
-                    raise RuntimeError(
-                        f"'{m.fqn}' was replaced after dmuon.dedicate_params (tensor "
-                        "parallelism applied after DMuon?); apply TP first, then "
-                        "dedicate_params, then fully_shard"
-                    )
-        self._checked = True
+    def _mark_inputs(self, args, kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not idx or not torch.is_grad_enabled():
+            self._complete_on_grads = torch.is_grad_enabled()
+            return args, kwargs
+        self._complete_on_grads = False
+        self._pending_calls += 1
+        marked = _PostBackward.apply(self, *(flat[i] for i in idx))
+        for i, t in zip(idx, marked):
+            flat[i] = t
+        return tree_unflatten(flat, spec)
 
     def _post_forward(self, module, args, output):
-        if not self.state.reshard_after_forward:
-            return output
-        for g in self.groups:
-            g.free()
-        self.state.trace(f"post_forward:{self.name}")
-        if not torch.is_grad_enabled():
-            return output
-        # A hook on every output that needs a gradient: autograd runs it before any
-        # node inside the boundary, so the weights that the boundary's backward reads
-        # (saved tensors viewing the freed storage) are back before they are needed.
-        self._needs_regather = True
-        for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor) and t.requires_grad:
-                t.register_hook(self._pre_backward)
+        state, b = self.state, self.boundary
+        if not state.in_backward and state.reshard_after_forward:
+            b.free()
+            state.trace(f"post_forward:{self.name}")
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
         return output
 
+    # -- backward ----------------------------------------------------------------------
     def _pre_backward(self, grad):
-        if self._needs_regather:
-            self._needs_regather = False
-            self.unshard("backward")
+        if not self._regathered:
+            self._regathered = True
+            b = self.boundary
+            b.start_gather("backward")
+            self.state.prefetch(self, forward=False)
+            b.wait_gather()
+            self.state.trace(f"backward:{self.name}")
         return grad
 
-    def _grad_hook(self, group):
-        def hook(param):
-            group.grad_ready(param, self.sync_gradients, self.state.reshard_after_forward)
+    def _on_gradient(self, param) -> None:
+        b, state = self.boundary, self.state
+        state.reduce.note_gradient(b, param)
+        b.accumulate(param)
+        self._grads_seen.add(id(param))
+        if self._complete_on_grads and len(self._grads_seen) == len(b.params):
+            self._complete()
 
-        return hook
+    def post_backward(self) -> None:
+        self._pending_calls -= 1
+        if self._pending_calls <= 0:
+            self._pending_calls = 0
+            self._complete()
+
+    def _complete(self) -> None:
+        self._grads_seen.clear()
+        if self.state.reshard_after_forward:
+            self.boundary.free()
+            self.state.trace(f"post_backward:{self.name}")
+        self.state.reduce.boundary_done(self.boundary)
+
+    def reset(self) -> None:
+        """A new forward starts: nothing of the previous backward is pending."""
+        self._pending_calls = 0
+        self._grads_seen.clear()

@@ -8,11 +8,14 @@ import math
 import torch
 from torch import nn
 
-from .dedicate import get_state, is_dedicated
+from .dedicate import DMuonState, get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
 from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+_MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_backend",
+              "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn")
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -33,20 +36,45 @@ def muon_update(p, grad, buf, orthogonalise, *, lr, weight_decay, momentum, nest
     p.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, full_shape))
 
 
+def _user_groups(params) -> tuple[list[dict], DMuonState]:
+    """torch-style groups over module params, and the DMuon state they belong to."""
+    if isinstance(params, nn.Module):
+        trainable = [p for p in params.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in trainable if is_dedicated(p)]},
+                  {"params": [p for p in trainable if not is_dedicated(p)]}]
+        return groups, get_state(params)
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    state = None
+    for g in groups:
+        g["params"] = list(g["params"])
+        for p in g["params"]:
+            state = state or getattr(p, "_dmuon_owner_state", None)
+    if state is None:
+        raise ValueError("dmuon.Muon needs a model prepared with dmuon.dedicate_params, or "
+                         "param groups containing at least one of its dedicated params")
+    return groups, state
+
+
 class Muon(torch.optim.Optimizer):
     """Distributed Muon over a model prepared with ``dmuon.dedicate_params``.
 
-    ``param_groups[0]`` holds the matrices this rank owns (Muon), ``param_groups[1]``
-    every other parameter (``torch.optim.AdamW``, on FSDP2 shards when applied). Both
-    groups carry their own ``lr``, so LR schedulers scale them together. NS defaults to
-    Gram NS with one restart in ``ns_dtype`` (default: fp16 on CUDA, the gradient's
-    precision on the CPU; ``ns_gram_dtype`` raises the m x m iteration's precision);
-    ``ns_backend="standard"`` is torch.optim.Muon's.
+    ``params``: the model (one Muon group of the matrices this rank owns, one AdamW group
+    of every other trainable param), or torch-style param groups over the model's params.
+    A group holds either dedicated params (Muon; its keys override ``lr``, ``momentum``,
+    ``weight_decay``, ``nesterov``, ``ns_*``, ``eps``, ``adjust_lr_fn``) or other params
+    (``torch.optim.AdamW`` on FSDP2 shards; its keys ``lr``, ``betas``, ``eps``,
+    ``weight_decay`` override the ``adamw_*`` defaults). Every group carries its own
+    ``lr``, so LR schedulers scale them together. NS defaults to Gram NS with one restart
+    in ``ns_dtype`` (default: fp16 on CUDA, the gradient's precision on the CPU;
+    ``ns_gram_dtype`` raises the m x m iteration's precision); ``ns_backend="standard"``
+    is torch.optim.Muon's.
     """
 
     def __init__(
         self,
-        model: nn.Module,
+        params,
         lr: float = 0.02,
         momentum: float = 0.95,
         nesterov: bool = True,
@@ -64,31 +92,46 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.0,
         replicate_async: bool = True,
     ) -> None:
-        _check_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, adamw_lr)
-        check_backend(ns_backend)
-        coefficient_schedule(ns_coefficients, ns_steps)
-        self._state = get_state(model)
+        muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
+                             weight_decay=weight_decay, ns_steps=ns_steps,
+                             ns_backend=ns_backend, ns_coefficients=ns_coefficients,
+                             ns_dtype=ns_dtype, ns_gram_dtype=ns_gram_dtype, eps=eps,
+                             adjust_lr_fn=adjust_lr_fn)
+        adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                              weight_decay=adamw_weight_decay)
+        _check_args(muon_defaults)
+        for name, value in (("adamw_lr", adamw_lr), ("adamw_weight_decay", adamw_weight_decay)):
+            if not value >= 0:
+                raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {value}")
+        user_groups, self._state = _user_groups(params)
         self.replicate_async = replicate_async
-        owned = list(self._state.owned_params.values())
-        self._tp_of = {id(own): m.tp for g in self._state.groups if g.is_owner
-                       for m, own in zip(g.members, g.owned) if m.tp is not None}
-        others = [p for p in model.parameters() if p.requires_grad and not is_dedicated(p)]
-        muon_group = dict(
-            params=owned, kind="muon", lr=lr, momentum=momentum, nesterov=nesterov,
-            weight_decay=weight_decay, ns_steps=ns_steps, ns_backend=ns_backend,
-            ns_coefficients=ns_coefficients, ns_dtype=ns_dtype, ns_gram_dtype=ns_gram_dtype,
-            eps=eps,
-            adjust_lr_fn=adjust_lr_fn,
-        )
+        members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
+        self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
+        muon, adamw = [], []
+        for i, g in enumerate(user_groups):
+            kind = _group_kind(i, g["params"])
+            options = {k: v for k, v in g.items() if k != "params"}
+            if kind == "muon":
+                muon.append(self._muon_group(g["params"], {**muon_defaults, **options}, i))
+            else:
+                adamw.append({**adamw_defaults, **_only(options, _ADAMW_KEYS, i, "AdamW"),
+                              "params": g["params"]})
         self._adamw = torch.optim.AdamW(
-            others or [torch.zeros(0, requires_grad=True)], lr=adamw_lr, betas=adamw_betas,
-            eps=adamw_eps, weight_decay=adamw_weight_decay,
-        )
-        adamw_group = dict(self._adamw.param_groups[0], params=others, kind="adamw")
-        super().__init__([muon_group, adamw_group], {})
-        # One source of truth: AdamW reads the group dict and state this optimizer owns.
-        self._adamw.param_groups = [self.param_groups[1]]
+            adamw or [{"params": [torch.zeros(0, requires_grad=True)]}], **adamw_defaults)
+        groups = muon + [dict(g, kind="adamw") for g in self._adamw.param_groups[:len(adamw)]]
+        super().__init__(groups, {})
+        # One source of truth: AdamW reads the group dicts and state this optimizer owns.
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
         self._adamw.state = self.state
+        self._state.optimizer_attached = True
+
+    def _muon_group(self, module_params, options: dict, index: int) -> dict:
+        options = _only(options, _MUON_KEYS, index, "Muon")
+        _check_args(options)
+        wanted = {p._dmuon_dedicated for p in module_params}
+        masters = [t for fqn, t in self._state.owned_params.items()
+                   if self._state.plan.params[fqn].param in wanted]
+        return {**options, "params": masters, "kind": "muon"}
 
     @property
     def ledger(self):
@@ -101,24 +144,26 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._state.finish_gradient_sync()
-        self._muon_step(self.param_groups[0])
-        if self.param_groups[1]["params"]:
+        for group in self.param_groups:
+            if group["kind"] == "muon":
+                self._muon_step(group)
+        if any(g["params"] for g in self._adamw.param_groups):
             self._adamw.step()
         self._state.after_step(self.replicate_async)
         self._state.ledger.close_step()
         return loss
 
     def _muon_step(self, group) -> None:
+        ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
+                  coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
+                  eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p.grad)
-            tp = self._tp_of.get(id(p))
-            ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
-                      coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                      eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
+                state["momentum_buffer"] = torch.zeros_like(p)
+            tp = self._member_of[id(p)].tp
             if tp is None:
                 orthogonalise = functools.partial(newton_schulz, **ns)
             else:  # TP peers orthogonalise the matrix together; Gram is what makes it cheap
@@ -132,14 +177,31 @@ class Muon(torch.optim.Optimizer):
             )
 
 
-def _check_args(lr, momentum, weight_decay, ns_steps, adjust_lr_fn, adamw_lr) -> None:
-    for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay),
-                        ("adamw_lr", adamw_lr)):
-        if not value >= 0:
-            raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {value}")
-    if not (isinstance(ns_steps, int) and 0 < ns_steps < 100):
-        raise ValueError(f"dmuon.Muon: ns_steps must be an int in [1, 99], got {ns_steps}")
-    if adjust_lr_fn not in _ADJUST_LR_FNS:
+def _group_kind(index: int, params) -> str:
+    kinds = {is_dedicated(p) for p in params}
+    if len(kinds) > 1:
+        raise ValueError(f"dmuon.Muon: param group {index} mixes dedicated (Muon) params "
+                         "with others (AdamW); put them in separate groups")
+    return "muon" if kinds == {True} else "adamw"
+
+
+def _only(options: dict, allowed, index: int, kind: str) -> dict:
+    extra = sorted(set(options) - set(allowed))
+    if extra:
+        raise ValueError(f"dmuon.Muon: param group {index} ({kind}) does not take {extra}; "
+                         f"its options are {list(allowed)}")
+    return options
+
+
+def _check_args(o: dict) -> None:
+    for name in ("lr", "momentum", "weight_decay"):
+        if not o[name] >= 0:
+            raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {o[name]}")
+    if not (isinstance(o["ns_steps"], int) and 0 < o["ns_steps"] < 100):
+        raise ValueError(f"dmuon.Muon: ns_steps must be an int in [1, 99], got {o['ns_steps']}")
+    if o["adjust_lr_fn"] not in _ADJUST_LR_FNS:
         raise ValueError(
-            f"dmuon.Muon: adjust_lr_fn={adjust_lr_fn!r} is not one of {list(_ADJUST_LR_FNS)}"
+            f"dmuon.Muon: adjust_lr_fn={o['adjust_lr_fn']!r} is not one of {list(_ADJUST_LR_FNS)}"
         )
+    check_backend(o["ns_backend"])
+    coefficient_schedule(o["ns_coefficients"], o["ns_steps"])

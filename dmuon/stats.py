@@ -18,16 +18,15 @@ def _local_nbytes(t: torch.Tensor) -> int:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
     """Live bytes on this rank by kind (see ``MEMORY_KINDS``).
 
-    ``owned_params`` counts the full copies this rank keeps for matrices it owns
-    (all column owners in HSDP), ``packed_buffers`` the storage of the broadcast
-    buffers alive right now.
+    ``owned_params`` counts the full values this rank keeps for its shard column (in
+    ``param_dtype``; every replica of the column in HSDP) plus the owners' masters where
+    they are a separate, higher-precision copy; ``packed_buffers`` the storage of the
+    gather buffers alive right now.
     """
     state = get_state(model)
     report = dict.fromkeys(MEMORY_KINDS, 0)
     report["packed_buffers"] = state.live_packed_bytes()
-    report["owned_params"] = sum(
-        own.numel() * own.element_size() for g in state.groups for own in g.owned
-    )
+    report["owned_params"] = sum(b.resident_bytes() for b in state.boundaries)
     report["fsdp_shards"] = sum(
         _local_nbytes(p) for p in model.parameters() if not is_dedicated(p)
     )

@@ -91,7 +91,7 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coe
     X = (local.mT if shard.shard_dim == 0 else local).to(dtype)
 
     def gram_sum(r: torch.Tensor) -> torch.Tensor:
-        comm.all_reduce_sum(r, shard.group, ledger, "tp", "step").wait()
+        comm.wait(comm.all_reduce_sum(r, shard.group, ledger, "tp", "step"))
         return r
 
     out = _gram(X, coefficient_schedule(coefficients, steps), restart, gram_sum,

@@ -195,7 +195,10 @@ def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, 
 
 def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
             inter_link="infiniband", bandwidth=None) -> Placement:
-    """Choose the layout and predict what every rank holds and moves per step."""
+    """Choose the layout and predict what every rank holds and moves per step (DMuon's
+    share from ``dmuon.cost``, FSDP2's from the padded shards)."""
+    from dmuon import cost
+
     n_nodes, R, N = choose_layout(nodes, spec)
     bw = {**BANDWIDTH, **(bandwidth or {})}
     model = build_model(spec.llama_config(), device="meta")
@@ -203,37 +206,21 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     elt = DTYPES[spec.precision].itemsize
     z3 = spec.dmuon.mode == "z3"
     others = [tuple(p.shape) for n, p in model.named_parameters() if not muon_predicate(n, p)]
-    column = [0] * N
-    for a in plan.params.values():
-        column[a.owner_coord[1]] += a.numel
-    boundary_peak = max(sum(plan.params[u].numel for u in units)
-                        for units in plan.boundaries.values()) * elt
-    p_m = plan.total_elements * elt
-    owned, flops = plan.elements_per_rank, plan.ns_flops_per_rank
+    peak = cost.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
     ranks = []
     for rank in range(R * N):
         r, s = divmod(rank, N)
         fsdp, adamw = _fsdp_bytes(others, N, s, elt)
-        shard_phase = _per_rank_bytes(N, p_m)
-        ledger = {"shard": {"forward": shard_phase, "reduce": shard_phase}}
-        if z3:  # the re-broadcast before each boundary's backward
-            ledger["shard"]["backward"] = shard_phase
-        if R > 1:
-            repl = _per_rank_bytes(R, column[s] * elt)
-            ledger["replicate"] = {"reduce": repl, "replicate": repl}
-        memory = {"packed_buffers": 0 if z3 else p_m, "owned_params": column[s] * elt,
-                  "momentum": owned[rank] * elt, "fsdp_shards": fsdp, "adamw_state": adamw}
+        ledger = cost.ledger_prediction(plan, rank, z3=z3, param_bytes=elt, reduce_bytes=elt)
+        memory = {**cost.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
+                                           master_bytes=elt),
+                  "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = (sum(ledger["shard"].values()) / bw[intra_link if N > 1 else "loopback"]
                    + sum(ledger.get("replicate", {}).values()) / bw[inter_link])
-        ranks.append(RankPrediction(rank, (r, s), owned[rank], flops[rank], memory,
-                                    boundary_peak if z3 else p_m, ledger, seconds))
+        ranks.append(RankPrediction(rank, (r, s), plan.elements_per_rank[rank],
+                                    plan.ns_flops_per_rank[rank], memory, peak, ledger,
+                                    seconds))
     return Placement(spec, n_nodes, R, N, plan, ranks)
-
-
-def _per_rank_bytes(group: int, payload: int) -> int | float:
-    """(n-1)/n x payload, as an int when exact (the ledger's cost model)."""
-    value = (group - 1) * payload
-    return value // group if value % group == 0 else value / group
 
 
 def main(argv=None) -> None:

@@ -15,7 +15,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from service.data import batch_at, load_corpus
@@ -42,8 +41,8 @@ def main() -> None:
     plan = dmuon.dedicate_params(model, mesh, predicate=muon_predicate,
                                  reshard_after_forward=z3)
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
+        dmuon.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(model, mesh=mesh, reshard_after_forward=z3)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float32)
     corpus = load_corpus("train")
     if rank == 0:

@@ -15,7 +15,6 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 
 import dmuon
 
@@ -68,8 +67,8 @@ def build_training(spec: JobSpec, mesh: DeviceMesh):
                           reshard_after_forward=z3)
     fsdp_mesh = mesh if hsdp else mesh["shard"]
     for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     o = spec.optimizer.model_dump()
     o["ns_dtype"] = DTYPES[o["ns_dtype"]]
     o["ns_gram_dtype"] = DTYPES.get(o["ns_gram_dtype"])

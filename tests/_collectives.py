@@ -6,12 +6,30 @@ import torch.distributed as dist
 
 _OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "all_gather_into_tensor",
         "all_gather_single", "reduce_scatter_tensor", "reduce_scatter",
-        "reduce_scatter_single")
-_FIRST = ("tensor", "output", "output_tensor", "output_tensor_list")
+        "reduce_scatter_single", "all_to_all_single")
+
+
+def _tensors(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _payload(name, args, kwargs):
+    """The tensor a collective moves in full: the whole gathered output, the whole input
+    of a reduce-scatter, the one tensor of a broadcast, reduce or all-reduce."""
+    if name == "reduce_scatter":
+        full = _tensors(args[1] if len(args) > 1 else kwargs["input_list"])
+    elif name == "reduce_scatter_tensor":
+        full = _tensors(args[1] if len(args) > 1 else kwargs["input"])
+    else:
+        full = _tensors(args[0] if args else next(
+            kwargs[k] for k in ("tensor", "output", "output_tensor", "output_tensor_list")
+            if k in kwargs))
+    return sum(t.numel() for t in full), sum(t.numel() * t.element_size() for t in full)
 
 
 class CollectiveRecorder:
-    """Patches the collectives on ``torch.distributed``; records (op, numel, bytes, n)."""
+    """Patches the collectives on ``torch.distributed``; records (op, numel, bytes, n),
+    numel and bytes of the whole tensor moved (see ``_payload``)."""
 
     def __init__(self):
         self.calls: list[tuple[str, int, int, int]] = []
@@ -20,9 +38,7 @@ class CollectiveRecorder:
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
             n = dist.get_world_size(kwargs.get("group"))
-            t = args[0] if args else next(kwargs[k] for k in _FIRST if k in kwargs)
-            t = t[0] if isinstance(t, (list, tuple)) else t
-            self.calls.append((name, t.numel(), t.numel() * t.element_size(), n))
+            self.calls.append((name, *_payload(name, args, kwargs), n))
             return fn(*args, **kwargs)
         return wrapper
 

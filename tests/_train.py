@@ -81,17 +81,15 @@ def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
 
 
 def build_dmuon(mesh, z3: bool, *, replicate_mesh=None, fsdp_mesh=None, config="tiny",
-                dtype=torch.float64, **muon_kwargs):
+                dtype=torch.float64, prefetch=1, **muon_kwargs):
     """Built-in model with DMuon then FSDP2 applied, and its optimizer."""
-    from torch.distributed.fsdp import fully_shard
-
     model = build_model(get_config(config), dtype=dtype, seed=0)
     dmuon.dedicate_params(model, mesh, predicate=muon_predicate, replicate_mesh=replicate_mesh,
-                          reshard_after_forward=z3)
+                          reshard_after_forward=z3, prefetch=prefetch)
     fsdp_mesh = fsdp_mesh or mesh
     for layer in model.model.layers:
-        fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     kwargs = {**HPARAMS, "ns_dtype": dtype, **muon_kwargs}
     return model, dmuon.Muon(model, **kwargs)
 

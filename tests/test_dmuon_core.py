@@ -26,9 +26,9 @@ STEPS, WORLD, ELT = 10, 4, 8  # float64
 MODES = {"z2": False, "z3": True}
 
 
-def _train(rank, world, z3, adjust_lr_fn):
+def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model, opt = build_dmuon(mesh, z3, adjust_lr_fn=adjust_lr_fn)
+    model, opt = build_dmuon(mesh, z3, prefetch=prefetch, adjust_lr_fn=adjust_lr_fn)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     state, ledger = dmuon.get_state(model), dmuon.get_ledger(model)
     state.memory_trace = []
@@ -59,8 +59,8 @@ def _train(rank, world, z3, adjust_lr_fn):
 
 
 @functools.cache
-def dist_run(mode: str, adjust_lr_fn):
-    return run(_train, MODES[mode], adjust_lr_fn, world_size=WORLD)
+def dist_run(mode: str, adjust_lr_fn, prefetch=1):
+    return run(_train, MODES[mode], adjust_lr_fn, prefetch, world_size=WORLD)
 
 
 @functools.cache
@@ -103,8 +103,10 @@ def test_z2_and_z3_are_bit_identical():
 
 @pytest.mark.parametrize("mode,passes", [("z2", 2), ("z3", 3)])
 def test_ledger_bytes_per_step(mode, passes):
-    p_m = sum(torch.Size(s).numel() for s in _muon_shapes().values())
+    shapes = _muon_shapes()
+    p_m = sum(torch.Size(s).numel() for s in shapes.values())
     expected = passes * (WORLD - 1) * p_m * ELT / WORLD  # seeds: 2 or 3 (N-1)/N x P_M x elt
+    layers = get_config("tiny").n_layers
     fsdp_sizes = _fsdp_all_gather_sizes()
     for rank, res in enumerate(dist_run(mode, None)):
         for step in range(STEPS):
@@ -112,11 +114,16 @@ def test_ledger_bytes_per_step(mode, passes):
             assert sum(ledger.values()) == expected, (rank, step, ledger)
             assert ledger["backward"] == (0 if mode == "z2" else expected / 3)
             calls = res["calls"][step]
-            counted = sum(b * (n - 1) / n for op, _, b, n in calls if op in ("broadcast", "reduce"))
-            assert counted == expected
-            gathers = {numel for op, numel, _, _ in calls if op.startswith("all_gather")}
-            assert gathers <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {gathers - fsdp_sizes}"
-            assert not [c for c in calls if c[0] == "all_reduce"]
+            # independently counted: DMuon's uneven all-gathers (gloo: all-to-all) and
+            # reduce-scatters, one per hook boundary and phase
+            gathers = [c for c in calls if c[0] == "all_to_all_single"]
+            reduces = [c for c in calls if c[0] == "reduce_scatter"]
+            assert len(gathers) == (passes - 1) * layers and len(reduces) == layers
+            assert sum(b * (n - 1) / n for _, _, b, n in gathers + reduces) == expected
+            fsdp = {numel for op, numel, _, _ in calls if op.startswith("all_gather")}
+            assert fsdp <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {fsdp - fsdp_sizes}"
+            # one small all-reduce per step: which units got a gradient on any rank
+            assert [c[1] for c in calls if c[0] == "all_reduce"] == [len(shapes)]
 
 
 def _fsdp_all_gather_sizes():
@@ -145,12 +152,22 @@ def test_packed_buffer_memory_z2_and_z3():
     for fqn, s in shapes.items():
         layer = fqn.split(".self_attn")[0].split(".mlp")[0]
         layer_bytes[layer] = layer_bytes.get(layer, 0) + torch.Size(s).numel() * ELT
+    layers = list(layer_bytes.values())
     for res in dist_run("z2", None):
         assert res["packed_after_forward"] == [p_m_bytes] * STEPS  # full P_M, not P_M / N
-    for res in dist_run("z3", None):
-        assert res["packed_after_forward"] == [0] * STEPS
-        assert max(b for _, b in res["trace"]) == max(layer_bytes.values())
-        assert res["memory"]["packed_buffers"] == 0
+    # Z3 without prefetch: one boundary at a time; with the default prefetch of one
+    # boundary, the running one and the next
+    for prefetch, peak in ((0, max(layers)), (1, max(map(sum, zip(layers, layers[1:]))))):
+        for res in dist_run("z3", None, prefetch):
+            assert res["packed_after_forward"] == [0] * STEPS
+            assert max(b for _, b in res["trace"]) == peak
+            assert res["memory"]["packed_buffers"] == 0
+
+
+def test_prefetch_changes_no_value():
+    for a, b in zip(dist_run("z3", None, 0), dist_run("z3", None, 1)):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(v, b["full"][k]) for k, v in a["full"].items())
 
 
 def test_owner_holds_full_params_and_momentum():

@@ -86,14 +86,12 @@ def loss_of(model, tokens):
 
 def _train(rank, world, path=None, save_at=None, load=False):
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = build()
     plan = dmuon.dedicate_params(model, mesh, predicate=is_muon)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        dmuon.fully_shard(layer, mesh=mesh)
+    dmuon.fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
     out, start = {"plan": plan.to_dict()}, 0
     if load:

@@ -66,7 +66,12 @@ def test_replicate_bytes_per_column_and_one_ns_per_matrix():
         ledger = res["ledger"]
         replicate = ledger["replicate"]["reduce"] + ledger["replicate"]["replicate"]
         assert replicate == 2 * (R - 1) * column[s] * ELT / R
-        assert sum(ledger["shard"].values()) == 3 * (N - 1) * p_m * ELT / N
+        shard = {p: ledger["shard"][p] for p in ("forward", "backward", "reduce")}
+        assert sum(shard.values()) == 3 * (N - 1) * p_m * ELT / N
+        # one fp32 all-reduce per dim of which units got a gradient anywhere
+        units = len(plan.params)
+        assert ledger["shard"]["step"] == 2 * (N - 1) * units * 4 / N
+        assert ledger["replicate"]["step"] == 2 * (R - 1) * units * 4 / R
     # NS once per matrix over all R x N ranks: every matrix has exactly one owner slot
     owners = [a.owner for a in plan.params.values()]
     assert sorted(set(owners)) == list(range(R * N))

@@ -73,11 +73,14 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
                            **GPU})
         placement = predict(spec, synthetic_inventory(nodes, 8))
         assert (placement.replicate, placement.shard) == (nodes, 8)
+        units = len(placement.plan.params)
         for rank in (placement.ranks[0], placement.ranks[-1]):
-            shard = sum(rank.ledger["shard"].values())
+            shard = sum(v for k, v in rank.ledger["shard"].items() if k != "step")
             assert shard == passes * 7 * p_m * elt / 8  # 2 or 3 (N-1)/N x P_M x elt
+            assert rank.ledger["shard"]["step"] == 2 * 7 * units * 4 / 8  # gradient presence
             assert rank.memory["packed_buffers"] == (p_m * elt if mode == "z2" else 0)
-            assert rank.packed_peak == (p_m * elt if mode == "z2" else layer * elt)
+            # Z3: the running layer and the one prefetched
+            assert rank.packed_peak == (p_m * elt if mode == "z2" else 2 * layer * elt)
         assert "Z2 packed GB" in placement.table() and "Z3 peak GB" in placement.table()
 
 

@@ -35,9 +35,10 @@ def _train_tp(rank, world, path=None, save_at=None, load=False):
     for layer in model.model.layers:
         parallelize_module(layer, mesh["tp"], _tp_plan())
     plan = dmuon.dedicate_params(model, mesh["dp"], predicate=muon_predicate)
+    ignored = dmuon.ignored_params(model)  # FSDP2's own fully_shard, the public way
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"], ignored_params=ignored)
+    fully_shard(model, mesh=mesh["dp"], ignored_params=ignored)
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     ledger, gathers, start = dmuon.get_ledger(model), [], 0
@@ -91,7 +92,7 @@ def test_tp_communication_follows_the_gram_rule():
                 assert res["plan"]["params"][fqn]["tp"] == "gram_allreduce"
             else:  # splits the shorter dim: gathered to the owners
                 expected += (TP - 1) * rows * cols * 8 / TP
-                gathered.append(rows * cols // TP)
+                gathered.append(rows * cols)  # the whole gathered matrix
                 assert res["plan"]["params"][fqn]["tp"] == "gather"
         assert res["tp_bytes"] == expected
         for step_calls in res["gathers"]:

@@ -1,0 +1,80 @@
+"""What a plan costs each rank: bytes per step by mesh dim and phase (as the ledger
+counts them) and resident bytes by kind (as ``memory_report`` measures them), from the
+plan alone, so a 70B layout can be costed on a laptop.
+
+Per step, rank (r, s) of an R x N layout moves, with P the Muon-target elements:
+- shard: all-gather (N-1)/N x P x param bytes in forward, again in backward under Z3,
+  reduce-scatter (N-1)/N x P x reduce bytes, and one all-reduce 2(N-1)/N x 4 bytes per
+  unit (which units got a gradient anywhere);
+- replicate (R > 1): reduce-scatter (R-1)/R x C_s x reduce bytes and, after the step,
+  all-gather (R-1)/R x C_s x param bytes, C_s the elements of its shard column; the
+  same 4-byte-per-unit all-reduce.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+from .partition import DedicationPlan
+
+PRESENCE_BYTES = 4  # one fp32 flag per unit
+
+
+def _exact(value: Fraction) -> int | float:
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def column_elements(plan: DedicationPlan) -> list[int]:
+    out = [0] * plan.shard_size
+    for a in plan.params.values():
+        out[a.owner_coord[1]] += a.numel
+    return out
+
+
+def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes: int,
+                      reduce_bytes: int) -> dict[str, dict[str, int | float]]:
+    """``{dim: {phase: bytes}}`` of one training step on ``rank``."""
+    n, r = plan.shard_size, plan.replicate_size
+    p_m, units = plan.total_elements, len(plan.params)
+    share = Fraction(n - 1, n)
+    shard = {"forward": share * p_m * param_bytes, "reduce": share * p_m * reduce_bytes,
+             "step": 2 * share * units * PRESENCE_BYTES}
+    if z3:
+        shard["backward"] = shard["forward"]
+    out = {"shard": {k: _exact(v) for k, v in shard.items()}}
+    column = column_elements(plan)[rank % n]
+    if r > 1:
+        share = Fraction(r - 1, r)
+        repl = {"step": 2 * share * units * PRESENCE_BYTES}
+        if column:
+            repl.update(reduce=share * column * reduce_bytes,
+                        replicate=share * column * param_bytes)
+        out["replicate"] = {k: _exact(v) for k, v in repl.items()}
+    return out
+
+
+def boundary_elements(plan: DedicationPlan) -> list[int]:
+    """Elements of each hook boundary, in forward order."""
+    return [sum(plan.params[u].numel for u in units) for units in plan.boundaries.values()]
+
+
+def packed_peak_bytes(plan: DedicationPlan, *, z3: bool, prefetch: int,
+                      param_bytes: int) -> int:
+    """Largest packed-buffer bytes alive at once: Z2 keeps every boundary; Z3 the running
+    boundary and the ``prefetch`` after it."""
+    sizes = boundary_elements(plan)
+    if not z3:
+        return sum(sizes) * param_bytes
+    window = prefetch + 1
+    return max(sum(sizes[i:i + window]) for i in range(len(sizes))) * param_bytes
+
+
+def memory_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes: int,
+                      master_bytes: int) -> dict[str, int]:
+    """DMuon's resident bytes on ``rank`` after a step (kinds of ``memory_report``)."""
+    owned = plan.elements_per_rank[rank]
+    column = column_elements(plan)[rank % plan.shard_size]
+    masters_apart = owned * master_bytes if master_bytes != param_bytes else 0
+    return {"packed_buffers": 0 if z3 else plan.total_elements * param_bytes,
+            "owned_params": column * param_bytes + masters_apart,
+            "momentum": owned * master_bytes}

@@ -1,0 +1,153 @@
+"""Gradient reduce: every rank issues the same collectives, in one order, whatever
+gradients it produced.
+
+A boundary's reduce-scatter goes out once its backward is done on this rank, but only in
+a fixed order (the reverse of the forward order, the same on every rank): a boundary
+finished early waits for those before it. A boundary whose params got no gradient here
+(a skipped branch, an expert without tokens) still reduces, with zeros, at the latest
+when the backward is over, so the sequence of collectives never depends on the data.
+Under NCCL a rank-local decision to skip one would hang the job.
+
+Each backward's reduced gradient is added into the owner's master ``.grad``, so
+repeated backward passes accumulate as with FSDP2; ``no_sync`` instead keeps summing
+locally and reduces once. Whether any rank produced a gradient for a unit travels in one
+small all-reduce per step: a matrix no rank touched keeps ``grad = None`` and the
+optimizer skips it, as FSDP2 and ``torch.optim`` do for their own params.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import comm
+from .buffers import Boundary
+
+
+@dataclass
+class InFlight:
+    boundary: Boundary
+    column: comm.Pending  # shard stage: this rank's column segment of the sum
+    column_out: torch.Tensor
+    owned: comm.Pending | None = None  # HSDP replicate stage: the owner's part
+    owned_out: torch.Tensor | None = None
+
+
+class GradientReduce:
+    def __init__(self, boundaries: list[Boundary], ctx, num_units: int):
+        self.ctx = ctx
+        self.order = list(reversed(boundaries))  # backward order, identical on every rank
+        self.sync = True
+        self.presence = torch.zeros(num_units, dtype=torch.float32, device=ctx.device)
+        self._ready: set[int] = set()
+        self._next = 0
+        self._in_flight: list[InFlight] = []
+        self.backward_open = False  # a backward ran since the last flush
+        self._backward_syncs = True  # `sync` as it was when that backward began
+        self._finished = True  # finish() already ran for the gradients present
+
+    def begin_backward(self) -> None:
+        self.backward_open = True
+        self._backward_syncs = self.sync
+
+    # -- during backward -------------------------------------------------------------
+    def note_gradient(self, boundary: Boundary, param) -> None:
+        self._finished = False
+        for m in boundary.members:
+            if m.param is param:
+                self.presence[m.index] = 1.0
+
+    def boundary_done(self, boundary: Boundary) -> None:
+        """``boundary``'s backward is over on this rank: issue what the order allows."""
+        if not (self._backward_syncs if self.backward_open else self.sync):
+            return
+        self._ready.add(id(boundary))
+        while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
+            self._issue(self.order[self._next])
+            self._next += 1
+        self._advance(block=False)
+
+    def end_backward(self) -> None:
+        """The backward is over: reduce every boundary not reduced yet, in order."""
+        if not self.backward_open:
+            return
+        self.backward_open = False
+        if self._backward_syncs:  # a no_sync backward flushed after the context: no reduce
+            for boundary in self.order[self._next:]:
+                self._issue(boundary)
+        self._ready.clear()
+        self._next = 0
+        self._advance(block=False)
+
+    # -- the collectives -------------------------------------------------------------
+    def _issue(self, b: Boundary) -> None:
+        ctx, flat = self.ctx, b.take_gradient()
+        self._finished = False
+        out = torch.empty(b.column_sizes[ctx.shard_rank], dtype=flat.dtype, device=flat.device)
+        with ctx.streams.issuing("reduce"):
+            work = comm.reduce_scatter_v(out, flat, b.column_sizes, ctx.reduce_group,
+                                         ctx.ledger, "shard", "reduce")
+        self._in_flight.append(InFlight(b, comm.Pending(work, flat, out,
+                                                        on_stream=ctx.streams.cuda), out))
+
+    def _advance(self, block: bool) -> None:
+        """HSDP: each column's replicate-stage reduce-scatter goes out once its shard
+        stage is done, in issue order (so the same order on every rank)."""
+        ctx = self.ctx
+        if ctx.replicate_size == 1:
+            return
+        for item in self._in_flight:
+            if item.owned is not None or not item.boundary.column:
+                continue
+            if not (block or item.column.done()):
+                return
+            item.column.wait()
+            b = item.boundary
+            item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
+                                         dtype=item.column_out.dtype, device=ctx.device)
+            with ctx.streams.issuing("reduce"):
+                work = comm.reduce_scatter_v(item.owned_out, item.column_out, b.replica_sizes,
+                                             ctx.replicate_group, ctx.ledger, "replicate",
+                                             "reduce")
+            item.owned = comm.Pending(work, item.column_out, item.owned_out,
+                                      on_stream=ctx.streams.cuda)
+
+    def land_all(self) -> None:
+        """Wait for every reduce in flight and add its part into the owners' masters."""
+        self._advance(block=True)
+        ctx = self.ctx
+        world = ctx.shard_size * ctx.replicate_size
+        for item in self._in_flight:
+            item.column.wait()
+            if ctx.replicate_size == 1:
+                item.boundary.land(item.column_out, world)
+            elif item.owned is not None:
+                item.owned.wait()
+                item.boundary.land(item.owned_out, world)
+        self._in_flight.clear()
+
+    # -- at the step -----------------------------------------------------------------
+    def finish(self, boundaries: list[Boundary]) -> None:
+        """Everything reduced and landed; matrices no rank produced a gradient for lose
+        their (zero) gradient. Idempotent until the next backward."""
+        self.end_backward()
+        if self._finished:
+            return
+        self.land_all()
+        ctx = self.ctx
+        self._wait_all_reduce(ctx.reduce_group, "shard")
+        if ctx.replicate_size > 1:
+            self._wait_all_reduce(ctx.replicate_group, "replicate")
+        present = self.presence.tolist()
+        for b in boundaries:
+            for m in b.owned:
+                if not present[m.index]:
+                    b.masters[m.fqn].grad = None
+        self.presence.zero_()
+        self._finished = True
+
+    def _wait_all_reduce(self, group, dim: str) -> None:
+        work = comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim, "step")
+        if work is not None:
+            work.wait()

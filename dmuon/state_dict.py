@@ -1,0 +1,100 @@
+"""Full tensors from a dedicated model, and the guard that keeps ``state_dict`` from
+returning placeholders."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import torch
+from torch import nn
+
+from . import comm
+from .dedicate import get_state
+
+_guard = threading.local()
+
+
+@contextlib.contextmanager
+def allow_raw_state_dict():
+    prev = getattr(_guard, "allowed", False)
+    _guard.allowed = True
+    try:
+        yield
+    finally:
+        _guard.allowed = prev
+
+
+def install_state_dict_guard(model: nn.Module, plan) -> None:
+    parents = {fqn.rsplit(".", 1)[0] if "." in fqn else "" for fqn in plan.param_fqns}
+
+    def refuse(action):
+        def hook(module, *args, **kwargs):
+            if getattr(_guard, "allowed", False):
+                return
+            raise RuntimeError(
+                f"{action} would {'return' if action == 'state_dict' else 'write'} DMuon "
+                "placeholders: Muon-target params live in full only on their owner rank. "
+                "Use dmuon.full_state_dict(model) for full tensors on every rank, or "
+                "dmuon.checkpoint for sharded save/load"
+            )
+        return hook
+
+    for name in parents:
+        module = model.get_submodule(name)
+        module.register_state_dict_pre_hook(refuse("state_dict"))
+        module.register_load_state_dict_pre_hook(refuse("load_state_dict"))
+
+
+def _gathered_masters(state, b) -> torch.Tensor:
+    """The boundary's masters in full, in the master dtype, on every rank: the owners'
+    parts over the replicate group into the column, the columns over the shard group."""
+    ctx, dtype = state.ctx, b.master_dtype
+    mine = [b.masters[m.fqn].detach().reshape(-1) for m in b.owned]
+    mine = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=ctx.device)
+    column = torch.empty(b.column_sizes[ctx.shard_rank], dtype=dtype, device=ctx.device)
+    if ctx.replicate_group is None:
+        column.copy_(mine)
+    else:
+        work = comm.all_gather_v(column, b.replica_sizes, mine, ctx.replicate_group,
+                                 ctx.ledger, "replicate", "state_dict")
+        comm.wait(work)
+    flat = torch.empty(b.numel, dtype=dtype, device=ctx.device)
+    work = comm.all_gather_v(flat, b.column_sizes, column, ctx.shard_group, ctx.ledger,
+                             "shard", "state_dict")
+    comm.wait(work)
+    return flat
+
+
+@torch.no_grad()
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer in full, by FQN, on every rank.
+
+    Collective: every rank of the mesh must call it. Dedicated params come from their
+    owners' masters (fp32 under mixed precision); FSDP2 shards are all-gathered.
+    """
+    state = get_state(model)
+    state.drain()
+    with allow_raw_state_dict():
+        raw = model.state_dict()
+    owned_values = {}
+    for b in state.boundaries:
+        flat = _gathered_masters(state, b)
+        for m in b.members:
+            local = flat[m.offset:m.offset + m.numel].view(m.shape)
+            owned_values[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
+    for fqn, units in state.plan.param_fqns.items():
+        if units != [fqn]:  # a 3-D param from its slices of experts
+            owned_values[fqn] = torch.cat([owned_values.pop(u) for u in units])
+    full: dict[str, torch.Tensor] = {}
+    for key, value in raw.items():
+        if key in owned_values:
+            full[key] = owned_values[key].clone()
+        elif hasattr(value, "full_tensor"):
+            tensor = value.full_tensor()
+            # on a shard dim of size 1 full_tensor() returns the live local shard itself
+            aliased = tensor.data_ptr() == value.to_local().data_ptr()
+            full[key] = tensor.clone() if aliased else tensor
+        else:
+            full[key] = value.detach().clone()
+    return full
