@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch.distributed as dist
 
 _OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "all_gather_into_tensor",
@@ -27,18 +29,30 @@ def _payload(name, args, kwargs):
     return sum(t.numel() for t in full), sum(t.numel() * t.element_size() for t in full)
 
 
+class Call(NamedTuple):
+    op: str
+    numel: int  # of the whole tensor moved (see ``_payload``)
+    bytes: int
+    n: int  # group size
+    ranks: tuple  # the group's global ranks
+
+    def wire(self) -> float:
+        """Bytes per rank in the bandwidth-optimal model: (n-1)/n of the payload."""
+        return self.bytes * (self.n - 1) / self.n
+
+
 class CollectiveRecorder:
-    """Patches the collectives on ``torch.distributed``; records (op, numel, bytes, n),
-    numel and bytes of the whole tensor moved (see ``_payload``)."""
+    """Patches the collectives on ``torch.distributed`` and records each ``Call``."""
 
     def __init__(self):
-        self.calls: list[tuple[str, int, int, int]] = []
+        self.calls: list[Call] = []
         self._saved = {}
 
     def _wrap(self, name, fn):
         def wrapper(*args, **kwargs):
-            n = dist.get_world_size(kwargs.get("group"))
-            self.calls.append((name, *_payload(name, args, kwargs), n))
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+            self.calls.append(Call(name, *_payload(name, args, kwargs), len(ranks), ranks))
             return fn(*args, **kwargs)
         return wrapper
 

@@ -116,14 +116,14 @@ def test_ledger_bytes_per_step(mode, passes):
             calls = res["calls"][step]
             # independently counted: DMuon's uneven all-gathers (gloo: all-to-all) and
             # reduce-scatters, one per hook boundary and phase
-            gathers = [c for c in calls if c[0] == "all_to_all_single"]
-            reduces = [c for c in calls if c[0] == "reduce_scatter"]
+            gathers = [c for c in calls if c.op == "all_to_all_single"]
+            reduces = [c for c in calls if c.op == "reduce_scatter"]
             assert len(gathers) == (passes - 1) * layers and len(reduces) == layers
-            assert sum(b * (n - 1) / n for _, _, b, n in gathers + reduces) == expected
-            fsdp = {numel for op, numel, _, _ in calls if op.startswith("all_gather")}
+            assert sum(c.wire() for c in gathers + reduces) == expected
+            fsdp = {c.numel for c in calls if c.op.startswith("all_gather")}
             assert fsdp <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {fsdp - fsdp_sizes}"
             # one small all-reduce per step: which units got a gradient on any rank
-            assert [c[1] for c in calls if c[0] == "all_reduce"] == [len(shapes)]
+            assert [c.numel for c in calls if c.op == "all_reduce"] == [len(shapes)]
 
 
 def _fsdp_all_gather_sizes():

@@ -53,7 +53,7 @@ def _train_tp(rank, world, path=None, save_at=None, load=False):
         loss_of(model, local_rows(batch, dp_rank, DP)).backward()
         with CollectiveRecorder() as rec:
             opt.step()
-        gathers.append([c for c in rec.calls if c[0].startswith("all_gather")])
+        gathers.append([c for c in rec.calls if c.op.startswith("all_gather")])
         sched.step()
         opt.zero_grad()
         if save_at == step + 1:
@@ -96,7 +96,7 @@ def test_tp_communication_follows_the_gram_rule():
                 assert res["plan"]["params"][fqn]["tp"] == "gather"
         assert res["tp_bytes"] == expected
         for step_calls in res["gathers"]:
-            assert sorted(numel for _, numel, _, _ in step_calls) == sorted(gathered)
+            assert sorted(c.numel for c in step_calls) == sorted(gathered)
 
 
 def _wrong_order(rank, world):
