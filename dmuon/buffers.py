@@ -38,7 +38,7 @@ class Member:
     param: nn.Parameter
     owner: tuple[int, int]  # (replicate, shard)
     index: int  # position in the plan, for the presence of gradients
-    shape: torch.Size = torch.Size()
+    shape: torch.Size  # of the unit as this rank's module computes with it
     offset: int = 0
     tp: TPShard | None = None
     experts: tuple[int, int] | None = None
@@ -73,9 +73,6 @@ class Boundary:
         self.reduce_dtype = ctx.reduce_dtype or param_dtype
         for m in members:
             m.tp = tp_shard_of(m.param)
-            shape = m.module_tensor().shape
-            m.shape = torch.Size((m.experts[1] - m.experts[0], *shape[1:])) if m.experts \
-                else shape
         members.sort(key=lambda m: (m.owner[1], m.owner[0], m.index))
         offset = 0
         for m in members:
@@ -145,7 +142,9 @@ class Boundary:
         return self.column_values[lo:lo + m.numel].view(m.shape)
 
     def bind_views(self) -> None:
-        """Point the module's tensors at the packed buffer (3-D params: their base)."""
+        """Point the module's tensors at the packed buffer (3-D params: their base).
+        Views of a freed storage cannot be made: the caller frees afterwards."""
+        self._alloc()
         for m in self.members:
             if m.experts:
                 m.param.data = self.expert_bases[id(m.param)]

@@ -232,11 +232,23 @@ def _check_not_fully_sharded(model: nn.Module) -> None:
             )
 
 
-def _members(plan: DedicationPlan, params: dict) -> dict[str, list[Member]]:
+def _local_shapes(plan: DedicationPlan, params: dict) -> dict[str, torch.Size]:
+    """Each unit's shape as this rank computes with it (a TP shard's local shape)."""
+    out = {}
+    for unit, a in plan.params.items():
+        p = params[a.param]
+        shape = p._local_tensor.shape if hasattr(p, "_local_tensor") else p.shape
+        out[unit] = torch.Size((a.experts[1] - a.experts[0], *shape[1:])) if a.experts \
+            else shape
+    return out
+
+
+def _members(plan: DedicationPlan, params: dict, shapes: dict) -> dict[str, list[Member]]:
     out: dict[str, list[Member]] = {}
     for index, (unit, a) in enumerate(plan.params.items()):
         out.setdefault(a.boundary, []).append(
-            Member(unit, params[a.param], a.owner_coord, index, experts=a.experts))
+            Member(unit, params[a.param], a.owner_coord, index, shapes[unit],
+                   experts=a.experts))
     return out
 
 
@@ -249,14 +261,32 @@ def _param_dtype(members: list[Member], mp_policy) -> tuple[torch.dtype, torch.d
     return param_dtype, master
 
 
-def build_boundaries(state: DMuonState, params: dict, policy) -> None:
+def _off_meta(model: nn.Module, fqns, device) -> None:
+    """Dedicated params on the meta device become params on the mesh's device without
+    storage (``set_data`` cannot move a tensor off meta; nothing refers to them yet)."""
+    for fqn in fqns:
+        p = model.get_parameter(fqn)
+        if not p.is_meta:
+            continue
+        if hasattr(p, "placements"):
+            raise NotImplementedError(
+                f"'{fqn}' is a tensor-parallel param on the meta device: meta-device init "
+                "with tensor parallelism is not supported yet; materialise before TP")
+        new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
+                           requires_grad=p.requires_grad)
+        for name, q in list(model.named_parameters(remove_duplicate=False)):
+            if q is p:
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, new)
+
+
+def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> None:
     """Packed buffers for every boundary, filled with the params' current values
     (unless on the meta device), the module's tensors then viewing them."""
-    state.needs_init = any(params[fqn].is_meta for fqn in state.plan.param_fqns)
     state.boundaries = []
-    for name, members in _members(state.plan, params).items():
+    for name, members in _members(state.plan, params, shapes).items():
         b = Boundary(name, members, state.ctx, *_param_dtype(members, policy))
-        if not state.needs_init:
+        if not any(m.module_tensor().numel() == 0 for m in b.members):
             b.load_initial_values()
         b.bind_views()
         b.free()
@@ -297,8 +327,12 @@ def dedicate_params(
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
     state.mp_policy = mp_policy
+    needs_init = any(model.get_parameter(f).is_meta for f in plan.param_fqns)
+    shapes = _local_shapes(plan, dict(model.named_parameters()))
+    _off_meta(model, plan.param_fqns, ctx.device)
     params = dict(model.named_parameters())
-    build_boundaries(state, params, mp_policy)
+    build_boundaries(state, params, shapes, mp_policy)
+    state.needs_init = needs_init
     state.hooks = [BoundaryHooks(b, model.get_submodule(b.name), state) for b in state.boundaries]
     state.reduce = GradientReduce(state.boundaries, ctx, len(plan.params))
     state.install_root_hooks(model)

@@ -78,6 +78,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -197,6 +200,15 @@ def muon_predicate(name: str, param: torch.Tensor) -> bool:
     return "model.layers." in name and param.ndim == 2
 
 
+def init_builtin(module: nn.Module) -> None:
+    """The built-in models' initialisation of one module's own params: normal(0, 0.02)
+    for matrices and embeddings, ones for norms."""
+    if isinstance(module, (nn.Linear, nn.Embedding)):
+        nn.init.normal_(module.weight, 0.0, 0.02)
+    elif isinstance(module, RMSNorm):
+        module.reset_parameters()
+
+
 def build_model(
     config: str | ModelConfig,
     *,
@@ -204,9 +216,13 @@ def build_model(
     dtype: torch.dtype | None = None,
     seed: int | None = None,
 ) -> LlamaForCausalLM:
-    """Build the model. On the meta device nothing is initialized; otherwise parameters are drawn
-    deterministically from ``seed`` (normal(0, 0.02) for matrices/embeddings, ones for norms),
-    independently of the target device. ``seed=None`` draws a seed from torch's global RNG."""
+    """Build the model. On the meta device nothing is initialised (``dmuon.materialize``
+    does it later, by the same rule); otherwise every module is initialised by
+    ``init_builtin`` under a seed of its own derived from ``seed`` and its FQN
+    (``dmuon.init_weights``), so the values do not depend on how the model is later
+    laid out. ``seed=None`` draws a seed from torch's global RNG."""
+    import dmuon
+
     c = get_config(config)
     with torch.device("meta"):
         model = LlamaForCausalLM(c)
@@ -220,14 +236,5 @@ def build_model(
         model.lm_head.weight = model.model.embed_tokens.weight
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()).item())
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    with torch.no_grad():
-        for _, p in model.named_parameters():  # deduplicated, deterministic order
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                w = torch.empty(p.shape, dtype=p.dtype).normal_(0.0, 0.02, generator=gen)
-                p.copy_(w)
+    dmuon.init_weights(model, seed=seed, init_fn=init_builtin)
     return model
-
-

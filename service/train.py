@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import dmuon
 
 from .data import batch_at, load_corpus, load_text_corpus
-from .models import build_model, causal_lm_loss, muon_predicate
+from .models import build_model, causal_lm_loss, init_builtin, muon_predicate
 from .spec import DTYPES, JobSpec, parse_spec
 
 # tests only: "rank:step:marker" makes that rank exit as the step begins, once;
@@ -42,7 +42,9 @@ def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]
 
 def _device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)  # DMuon and FSDP2 allocate on the current device
+        return device
     return torch.device("cpu")
 
 
@@ -57,10 +59,10 @@ def build_mesh(replicate: int, shard: int) -> tuple[DeviceMesh, list[str]]:
 
 
 def build_training(spec: JobSpec, mesh: DeviceMesh):
-    """Model with DMuon then FSDP2 applied, and its optimizer."""
+    """Model with DMuon then FSDP2 applied, and its optimizer. Built on the meta device:
+    each rank materialises only what it keeps (``dmuon.materialize``)."""
     z3 = spec.dmuon.mode == "z3"
-    model = build_model(spec.llama_config(), dtype=DTYPES[spec.precision], seed=spec.seed,
-                        device=_device())
+    model = build_model(spec.llama_config(), dtype=DTYPES[spec.precision], device="meta")
     hsdp = mesh["replicate"].size() > 1
     dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
@@ -69,6 +71,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh):
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
     dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.materialize(model, seed=spec.seed, init_fn=init_builtin)
     o = spec.optimizer.model_dump()
     o["ns_dtype"] = DTYPES[o["ns_dtype"]]
     o["ns_gram_dtype"] = DTYPES.get(o["ns_gram_dtype"])

@@ -1,0 +1,127 @@
+"""Meta-device init: a model built on ``torch.device("meta")``, dedicated and fully
+sharded there, then ``dmuon.materialize``d: each rank allocates what it keeps, and the
+values equal the same model initialised in full on one process by the same rule."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from _train import global_batches, local_rows, loss_of
+from torch.distributed.device_mesh import init_device_mesh
+from torch.profiler import ProfilerActivity, profile
+
+import dmuon
+from dmuon import cost
+from service.local import run
+from service.models import ModelConfig, build_model, get_config, init_builtin, muon_predicate
+from service.planner import predict, synthetic_inventory
+from service.spec import parse_spec
+
+SEED = 7
+# 0.51 B parameters: 18 layers of 4 x 1536^2 attention and 3 x 1536 x 4096 MLP matrices
+BIG = dict(vocab_size=256, dim=1536, n_layers=18, n_heads=12, n_kv_heads=12, ffn_dim=4096,
+           max_seq_len=64)
+
+
+def _setup(layout, config):
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    model = build_model(config, device="meta")
+    dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+                          replicate_mesh=mesh["replicate"] if R > 1 else None)
+    fsdp_mesh = mesh if R > 1 else mesh["shard"]
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=fsdp_mesh)
+    dmuon.fully_shard(model, mesh=fsdp_mesh)
+    dmuon.materialize(model, seed=SEED, init_fn=init_builtin)
+    return model
+
+
+def _values(rank, world, layout):
+    model = _setup(layout, get_config("small"))
+    full = dmuon.full_state_dict(model)
+    opt = dmuon.Muon(model, ns_dtype=torch.float64)  # and it trains
+    loss_of(model, local_rows(global_batches(1)[0], rank, world)).backward()
+    opt.step()
+    return full
+
+
+def _rss() -> tuple[int, int]:
+    """(VmRSS, VmHWM) of this process in bytes."""
+    with open("/proc/self/status") as fh:
+        fields = dict(line.split(":", 1) for line in fh)
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
+
+
+def _peak_live(events) -> int:
+    """Peak of live CPU tensor bytes from the profiler's allocation records: operators'
+    own allocations and the free (and storage-resize) records, in time order."""
+    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
+                     else e.self_cpu_memory_usage) for e in events)
+    live = peak = 0
+    for _, d in deltas:
+        live += d
+        peak = max(peak, live)
+    return peak
+
+
+def _measure(rank, world, layout):
+    with open("/proc/self/clear_refs", "w") as fh:
+        fh.write("5")  # resets VmHWM to the current RSS
+    rss_before = _rss()[0]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        model = _setup(layout, ModelConfig(**BIG))
+    peak_rss = _rss()[1]
+    memory = dmuon.memory_report(model)
+    return {"peak_live": _peak_live(prof.events()), "rss_growth": peak_rss - rss_before,
+            "memory": memory}
+
+
+@functools.cache
+def reference():
+    return {k: v.detach() for k, v in build_model("small", seed=SEED).state_dict().items()}
+
+
+@pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
+def test_meta_init_equals_the_full_init_of_one_process(layout):
+    """The rule, re-stated here independently: each module with params, in
+    named_modules order, initialised by init_builtin under manual_seed(unit_seed(seed,
+    its FQN)) -- done by build_model on a whole model in one process."""
+    ref = reference()
+    for res in run(_values, layout, world_size=4):
+        assert set(res) == set(ref)
+        for key, value in ref.items():
+            assert torch.equal(res[key], value), key
+
+
+def test_unit_seeds_are_the_documented_hash():
+    import hashlib
+
+    digest = hashlib.blake2b(b"7:model.layers.0.mlp.up_proj", digest_size=8).digest()
+    assert dmuon.unit_seed(7, "model.layers.0.mlp.up_proj") == \
+        int.from_bytes(digest, "little") & ((1 << 63) - 1)
+    a, b = build_model("tiny", seed=1), build_model("tiny", seed=2)
+    assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+@pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["1x4", "2x2"])
+def test_half_billion_model_sets_up_within_its_planned_share(layout):
+    R, N = layout
+    spec = parse_spec({"model": BIG, "precision": "float32",
+                       "layout": {"replicate": R, "shard": N}})
+    plan = predict(spec, synthetic_inventory(R, N, cpus_per_node=N))
+    total = sum(p.numel() for p in build_model(ModelConfig(**BIG), device="meta").parameters())
+    layer = max(cost.boundary_elements(plan.plan)) * 4  # one boundary in fp32
+    assert total >= 500_000_000
+    for rank, res in enumerate(run(_measure, layout, world_size=4)):
+        m = plan.ranks[rank].memory
+        share = m["owned_params"] + m["fsdp_shards"] + m["packed_buffers"]
+        bound = 1.1 * (share + layer)
+        print(f"{layout} rank {rank}: peak live {res['peak_live'] / 2**20:.0f} MiB, RSS growth "
+              f"{res['rss_growth'] / 2**20:.0f} MiB, bound {bound / 2**20:.0f} MiB; a full "
+              f"model per rank would be {total * 4 / 2**20:.0f} MiB")
+        assert res["memory"]["owned_params"] == m["owned_params"]
+        assert res["peak_live"] <= bound
+        assert res["rss_growth"] <= bound
