@@ -1,0 +1,187 @@
+"""Unused and conditional parameters: a 2-D branch that runs on some ranks at some steps
+(on none at some), and a routed MoE whose experts get no tokens on some ranks. Every rank
+must issue the same collectives, a missing gradient counts as zero, and a matrix no rank
+touched is skipped as ``torch.optim`` skips a param without ``.grad``."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _collectives import CollectiveRecorder
+from _train import HPARAMS, fp64_newton_schulz
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+from service.local import run
+
+D, H, VOCAB, E, LAYERS, STEPS, WORLD, ROWS = 16, 24, 64, 4, 2, 10, 4, 3
+# which ranks run the branch at each step: all, none, some
+BRANCH = [(1, 1, 1, 1), (0, 0, 0, 0), (1, 0, 0, 1), (0, 1, 0, 0), (1, 1, 0, 1),
+          (0, 0, 0, 0), (0, 0, 1, 0), (1, 1, 1, 1), (1, 0, 1, 0), (0, 0, 0, 1)]
+
+
+class BranchLayer(nn.Module):
+    """The branch runs when the micro-batch's first token is odd: a data-dependent,
+    per-rank decision inside one hook boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+        self.branch = nn.Linear(D, D, bias=False)
+        self.mlp_in, self.mlp_out = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
+
+    def forward(self, x, tokens):
+        if tokens[0, 0] % 2:
+            x = x + self.branch(self.norm(x))
+        return x + self.mlp_out(F.silu(self.mlp_in(self.norm(x))))
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, H, bias=False), nn.Linear(H, D, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.up(x)))
+
+
+class MoELayer(nn.Module):
+    """Top-1 routing over per-expert matrices: an expert without tokens on a rank never
+    runs there, so its matrices get no gradient on that rank."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.RMSNorm(D)
+        self.router = nn.Linear(D, E, bias=False)
+        self.experts = nn.ModuleList(Expert() for _ in range(E))
+
+    def forward(self, x, tokens):
+        h = self.norm(x).reshape(-1, D)
+        probs = self.router(h).softmax(-1)
+        choice = probs.argmax(-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out[mask] = expert(h[mask]) * probs[mask, e:e + 1]
+        return x + out.view_as(x)
+
+
+class Net(nn.Module):
+    def __init__(self, layer_cls):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, D)
+        self.layers = nn.ModuleList(layer_cls() for _ in range(LAYERS))
+        self.head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens)
+        for layer in self.layers:
+            h = layer(h, tokens)
+        return self.head(h)
+
+
+def build(kind: str) -> Net:
+    torch.manual_seed(0)
+    return Net(BranchLayer if kind == "branch" else MoELayer).double()
+
+
+def is_muon(name, p):
+    return name.startswith("layers.") and p.ndim == 2 and "router" not in name
+
+
+def batches(kind: str):
+    """Each rank's rows; for the branch model the first token's parity follows BRANCH."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for step in range(STEPS):
+        batch = torch.randint(0, VOCAB, (WORLD * ROWS, 9), generator=g)
+        if kind == "branch":
+            for rank, used in enumerate(BRANCH[step]):
+                batch[rank * ROWS, 0] = 2 * (batch[rank * ROWS, 0] // 2) + used
+        out.append(batch)
+    return out
+
+
+def loss_of(model, rows):
+    logits = model(rows[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), rows[:, 1:].reshape(-1))
+
+
+def _train(rank, world, kind, layout, z3):
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    model = build(kind)
+    dmuon.dedicate_params(model, mesh["shard"], predicate=is_muon, reshard_after_forward=z3,
+                          replicate_mesh=mesh["replicate"] if R > 1 else None)
+    fsdp_mesh = mesh if R > 1 else mesh["shard"]
+    for layer in model.layers:
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    sequence, idle, presence = [], 0, dmuon.get_state(model).reduce.presence
+    with CollectiveRecorder() as rec:
+        for batch in batches(kind):
+            loss_of(model, batch[rank * ROWS:(rank + 1) * ROWS]).backward()
+            idle += int((presence == 0).sum())  # matrices without a gradient on this rank
+            opt.step()
+            opt.zero_grad()
+            sequence.append([(c.op, c.numel, c.ranks) for c in rec.take()])
+    return {"full": dmuon.full_state_dict(model), "sequence": sequence, "idle": idle}
+
+
+@functools.cache
+def reference(kind: str):
+    """One process: the mean of the ranks' losses, each rank's rows taking its own path,
+    so a matrix no rank used has no gradient and torch.optim skips it."""
+    import torch.optim._muon as tmuon
+
+    model = build(kind)
+    muon = [p for n, p in model.named_parameters() if is_muon(n, p)]
+    rest = [p for n, p in model.named_parameters() if not is_muon(n, p)]
+    h = HPARAMS
+    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
+                             momentum=h["momentum"], nesterov=h["nesterov"]),
+            torch.optim.AdamW(rest, lr=h["adamw_lr"], betas=h["adamw_betas"],
+                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
+    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, \
+        fp64_newton_schulz
+    untouched = 0
+    try:
+        for batch in batches(kind):
+            sum(loss_of(model, batch[r * ROWS:(r + 1) * ROWS]) for r in range(WORLD)).__truediv__(
+                WORLD).backward()
+            untouched += sum(p.grad is None for p in muon)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    finally:
+        tmuon._zeropower_via_newtonschulz = saved
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, untouched
+
+
+@pytest.mark.parametrize("layout,z3", [((1, 4), True), ((2, 2), False)], ids=["z3", "hsdp2x2-z2"])
+@pytest.mark.parametrize("kind", ["branch", "moe"])
+def test_conditional_params_match_the_reference(kind, layout, z3):
+    ref, untouched = reference(kind)
+    results = run(_train, kind, layout, z3, world_size=WORLD)
+    assert sum(r["idle"] for r in results) > 0  # some matrices idle on some ranks
+    if kind == "branch":
+        assert untouched > 0  # and at some steps on every rank
+    for rank, res in enumerate(results):
+        for key, value in ref.items():
+            err = ((res["full"][key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (rank, key, err)
+    # every rank of a group issued the same collectives on it, step by step
+    for step in range(STEPS):
+        by_group = {}
+        for res in results:
+            for op, numel, ranks in res["sequence"][step]:
+                by_group.setdefault(ranks, []).append((op, numel))
+        for ranks, calls in by_group.items():
+            per_rank = len(calls) // len(ranks)
+            assert len(calls) == per_rank * len(ranks), (step, ranks)
