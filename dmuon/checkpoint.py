@@ -23,14 +23,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .dedicate import get_state
-from .state_dict import allow_raw_state_dict
+from .state_dict import allow_raw_state_dict, canonical_fqn, units_by_key
 
 MANIFEST = "dmuon_manifest.json"
 _GROUP_KEYS_SKIPPED = ("params",)
 
 
 def _param_fqns(model: nn.Module) -> dict[int, str]:
-    return {id(p): n for n, p in model.named_parameters()}
+    return {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
 
 
 def _ensure_optimizer_state(model: nn.Module, optimizer) -> None:
@@ -60,18 +60,18 @@ def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]
     not depend on how a layout sliced the param; anything else under its own name."""
     a = plan.params.get(unit)
     if a is None or a.experts is None:
-        return {unit: tensor}
+        return {canonical_fqn(unit): tensor}
     lo, hi = a.experts
-    return {f"{a.param}[{e}]": tensor[e - lo] for e in range(lo, hi)}
+    return {f"{canonical_fqn(a.param)}[{e}]": tensor[e - lo] for e in range(lo, hi)}
 
 
 def _global_model_keys(model: nn.Module) -> set[str]:
     with allow_raw_state_dict():
         raw = model.state_dict()
     plan = get_state(model).plan
-    keys = set()
+    units_of, keys = units_by_key(plan), set()
     for key in raw:
-        for unit in plan.param_fqns.get(key, [key]):
+        for unit in units_of.get(key, [key]):
             a = plan.params.get(unit)
             if a is not None and a.experts is not None:
                 keys.update(f"{key}[{e}]" for e in range(*a.experts))
@@ -99,7 +99,7 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
     tp_of = {m.fqn: m.tp for b in state.boundaries for m in b.members if m.tp is not None}
     column_owned = {m.fqn: _tp_wrapped(b.masters[m.fqn], m.tp)
                     for b in state.boundaries for m in b.owned}
-    units_of = state.plan.param_fqns
+    units_of = units_by_key(state.plan)
     model_sd = {}
     for key, value in raw.items():
         if key not in units_of:

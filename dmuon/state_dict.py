@@ -13,6 +13,21 @@ from . import comm
 from .dedicate import get_state
 
 _guard = threading.local()
+# Wrapper modules whose name state dicts leave out, as torch.distributed.checkpoint's
+# state_dict helpers do (activation checkpointing's wrapper, torch.compile's).
+_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_fqn(name: str) -> str:
+    """A module-path name as ``state_dict`` keys spell it."""
+    for segment in _WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def units_by_key(plan) -> dict[str, list[str]]:
+    """State-dict key -> the plan's units of that param."""
+    return {canonical_fqn(fqn): units for fqn, units in plan.param_fqns.items()}
 
 
 @contextlib.contextmanager
@@ -77,15 +92,15 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state.drain()
     with allow_raw_state_dict():
         raw = model.state_dict()
-    owned_values = {}
+    by_unit = {}
     for b in state.boundaries:
         flat = _gathered_masters(state, b)
         for m in b.members:
             local = flat[m.offset:m.offset + m.numel].view(m.shape)
-            owned_values[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
-    for fqn, units in state.plan.param_fqns.items():
-        if units != [fqn]:  # a 3-D param from its slices of experts
-            owned_values[fqn] = torch.cat([owned_values.pop(u) for u in units])
+            by_unit[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
+    # a 3-D param from its slices of experts
+    owned_values = {key: torch.cat([by_unit[u] for u in units])
+                    for key, units in units_by_key(state.plan).items()}
     full: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
         if key in owned_values:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 
@@ -160,6 +161,8 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(c.vocab_size, c.dim)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.n_layers))
         self.norm = RMSNorm(c.dim, c.norm_eps)
+        # per-block activation checkpointing: None, "reentrant" or "non_reentrant"
+        self.activation_checkpointing: str | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -170,7 +173,12 @@ class LlamaModel(nn.Module):
         positions = torch.arange(t, device=tokens.device)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            if self.activation_checkpointing:
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, h, cos, sin,
+                    use_reentrant=self.activation_checkpointing == "reentrant")
+            else:
+                h = layer(h, cos, sin)
         return self.norm(h)
 
 

@@ -81,9 +81,12 @@ def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
 
 
 def build_dmuon(mesh, z3: bool, *, replicate_mesh=None, fsdp_mesh=None, config="tiny",
-                dtype=torch.float64, prefetch=1, **muon_kwargs):
-    """Built-in model with DMuon then FSDP2 applied, and its optimizer."""
+                dtype=torch.float64, prefetch=1, prepare=None, **muon_kwargs):
+    """Built-in model with DMuon then FSDP2 applied, and its optimizer; ``prepare``
+    changes the model first (activation checkpointing, say)."""
     model = build_model(get_config(config), dtype=dtype, seed=0)
+    if prepare is not None:
+        model = prepare(model)
     dmuon.dedicate_params(model, mesh, predicate=muon_predicate, replicate_mesh=replicate_mesh,
                           reshard_after_forward=z3, prefetch=prefetch)
     fsdp_mesh = fsdp_mesh or mesh
