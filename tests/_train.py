@@ -111,8 +111,10 @@ def optimizer_snapshot(model, opt) -> dict:
 
 
 def hsdp_train(rank, world, layout, *, z3=True, steps=10, replicate_async=True, save_at=None,
-               path=None, load=False, micro=1, clip=None):
-    """Train on an R x N layout; optionally save after ``save_at`` steps or resume."""
+               path=None, load=False, micro=1, clip=None, accumulate="no_sync"):
+    """Train on an R x N layout; optionally save after ``save_at`` steps or resume.
+    ``micro`` micro-batches per step, each weighted by its share of the rows, accumulated
+    under ``no_sync`` or (``accumulate="backward"``) by plain repeated backward."""
     from torch.distributed.device_mesh import init_device_mesh
 
     R, N = layout
@@ -130,10 +132,10 @@ def hsdp_train(rank, world, layout, *, z3=True, steps=10, replicate_async=True, 
     for step in range(start, steps):
         rows = local_rows(batches[step], rank, world)
         loss = 0.0
-        for i, chunk in enumerate(rows.chunk(micro)):
-            ctx = dmuon.no_sync(model) if i < micro - 1 else contextlib.nullcontext()
-            with ctx:
-                micro_loss = loss_of(model, chunk) / micro
+        for i, chunk in enumerate(rows.tensor_split(micro)):
+            skip_sync = accumulate == "no_sync" and i < micro - 1
+            with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
+                micro_loss = loss_of(model, chunk) * (len(chunk) / len(rows))
                 micro_loss.backward()
             loss += micro_loss.item()
         if clip is not None:
