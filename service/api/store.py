@@ -36,6 +36,7 @@ def _sqlite_engine(url: str, begin: str) -> Engine:
     def _connect(dbapi, _record):
         dbapi.isolation_level = None  # the "begin" listener below opens transactions
         dbapi.execute("PRAGMA busy_timeout = 30000")
+        dbapi.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
         dbapi.execute("PRAGMA synchronous = NORMAL")  # durable with WAL at commit points
 
     @event.listens_for(engine, "begin")
@@ -79,8 +80,6 @@ class JobStore:
         self.reader, self.writer = _engines(url)
         try:
             with self.writer.begin() as conn:
-                if url.startswith("sqlite"):
-                    conn.exec_driver_sql("PRAGMA journal_mode = WAL")
                 upgrade(conn)
                 # a store that opens but cannot be written fails here, not on a request
                 conn.execute(update(locks).where(locks.c.name == "queue")
@@ -116,7 +115,8 @@ class JobStore:
             stmt = self._insert(jobs).values(**row)
             if idempotency_key:
                 stmt = stmt.on_conflict_do_nothing(index_elements=["idempotency_key"])
-            created = conn.execute(stmt).rowcount == 1
+            # RETURNING, not rowcount: drivers disagree about rowcount for INSERT
+            created = conn.execute(stmt.returning(jobs.c.id)).first() is not None
             if created:
                 conn.execute(insert(history_table).values(job_id=job_id, status=status,
                                                           time=now))
@@ -276,8 +276,8 @@ class JobStore:
             if not rows:
                 return 0
             stmt = self._insert(metrics).on_conflict_do_nothing(
-                index_elements=["job_id", "step", "rank"])
-            return conn.execute(stmt, rows).rowcount
+                index_elements=["job_id", "step", "rank"]).returning(metrics.c.id)
+            return len(conn.execute(stmt, rows).all())
 
     def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
         with self.reader.connect() as conn:
