@@ -13,7 +13,9 @@ with a communication time from per-link bandwidths.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -139,6 +141,25 @@ def check_fits(layout: dict, spec: JobSpec, nodes: list[NodeInfo]) -> None:
 
 
 def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
+    """``_plan_document`` for this spec and cluster, computed once: submissions come in
+    bursts of the same spec (retries, sweeps), and a plan builds a model."""
+    key = (spec.model_dump_json(), repr(cluster), assumed_cpus)
+    with _PLANS_LOCK:
+        cached = _PLANS.get(key)
+    if cached is None:
+        cached = json.dumps(_plan_document(spec, cluster, assumed_cpus))
+        with _PLANS_LOCK:
+            _PLANS[key] = cached
+            while len(_PLANS) > 64:
+                _PLANS.pop(next(iter(_PLANS)))
+    return json.loads(cached)
+
+
+_PLANS: dict[tuple, str] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
     """The plan as stored with a job and run by its entrypoint: layout, per-rank
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
