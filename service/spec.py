@@ -142,8 +142,9 @@ class DMuonSpec(_Strict):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any):
-        moved = sorted({"ns_backend", "replicate_async"} & set(data or ()))
-        if isinstance(data, dict) and moved:
+        moved = sorted({"ns_backend", "replicate_async"} & set(data)) \
+            if isinstance(data, dict) else []
+        if moved:
             raise ValueError(f"{', '.join(moved)} moved to the optimizer section "
                              f"(optimizer.{moved[0]}), with dmuon.Muon's other options")
         return data
