@@ -98,8 +98,9 @@ def jobs(request: Request, status: Literal[STATES] | None = None,
 
 
 @reads.get("/v1/jobs/{job_id}")
-def job(job_id: JobId, request: Request):
-    """A job with its status history."""
+async def job(job_id: JobId, request: Request):
+    """A job with its status history. Two indexed reads, run on the event loop: the
+    thread pool's hand-off would cost more than the reads (dashboards poll this)."""
     return JSONResponse(_job_or_404(request.app.state.store, job_id))
 
 
