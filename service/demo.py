@@ -23,7 +23,8 @@ from .local_ray import free_port, stop_recorded
 
 DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
                "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
-               "data": {"val_every": 10}, "checkpoint": {"interval": 20}}
+               "data": {"val_every": 10}, "checkpoint": {"interval": 20},
+               "optimizer": {"adamw_lr": 3e-3}}
 
 
 def _port(wanted: int) -> int:

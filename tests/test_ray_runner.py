@@ -20,7 +20,8 @@ from service.spec import parse_spec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "t", "model": "tiny", "steps": 8, "batch_size": 4, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "checkpoint": {"interval": 4},
-        "data": {"val_every": 4}, "max_failures": 1}
+        "data": {"val_every": 4}, "max_failures": 1,
+        "optimizer": {"adamw_lr": 3e-3}}  # the spec's default before it became Muon's 1e-3
 
 
 @pytest.fixture(scope="module")
