@@ -40,7 +40,7 @@ COPY --chown=1000:100 service ./service
 RUN python -m pip install --no-cache-dir --no-deps . \
     && rm -rf build ./*.egg-info \
     && mkdir -p /home/ray/dmuon_runs \
-    && python -c "import dmuon, service.entrypoint, service.serve"
+    && python -c "import dmuon, service.entrypoint, service.api.serve"
 
 COPY --chown=1000:100 --chmod=755 deploy/docker-entrypoint.sh /usr/local/bin/dmuon-entrypoint
 

@@ -1,77 +1,146 @@
 """Control-plane read latency: GET /v1/jobs/{id} under 100 concurrent readers.
 
-Starts uvicorn on 127.0.0.1 with a fresh SQLite store, creates one dry-run job, then
-100 threads issue 20 requests each (2,000 in all, bounded). Prints p50/p99 and writes
-bench/results/api.json.
+Side by side in one run, with the same client: this tree on SQLite, this tree on
+PostgreSQL (a server of its own, as the tests start one), and the baseline commit
+(d92165d, before issue #15) on SQLite, checked out with ``git worktree`` into a temp dir
+and served with the same venv. Each service gets one dry-run job, then 100 threads issue
+20 requests each (2,000 in all, bounded), each thread over its own keep-alive
+connection. Prints a table and writes bench/results/api.json.
+
+    python -m bench.api [--skip-baseline] [--skip-postgres]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import pathlib
+import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+import requests
+
+from service.api.serve import wait_healthy
 from service.local_ray import free_port
-from service.serve import wait_healthy
 
-RESULTS = pathlib.Path(__file__).parent / "results"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
 READERS, PER_READER = 100, 20
+BASELINE = "d92165d"
+TOKEN = "bench-token"
 
 
-def _call(url, method="GET", body=None, token="bench"):
-    req = urllib.request.Request(url, method=method,
-                                 data=json.dumps(body).encode() if body else None,
-                                 headers={"Content-Type": "application/json",
-                                          "Authorization": f"Bearer {token}"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return resp.status, json.loads(resp.read())
-
-
-def main() -> None:
-    port, root = free_port(), tempfile.mkdtemp(prefix="dmuon-bench-api-")
+def _serve(source: pathlib.Path, module: str, env: dict) -> tuple[subprocess.Popen, str]:
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "DMUON_API_TOKEN": "bench", "DMUON_DB": f"{root}/db.sqlite",
-           "DMUON_STORAGE": root, "DMUON_LOCAL_RAY": "0"}
-    server = subprocess.Popen([sys.executable, "-m", "service.serve", "--host", "127.0.0.1",
-                               "--port", str(port), "--log-level", "warning"], env=env,
-                              start_new_session=True)
-    try:
-        wait_healthy(url, server)
-        _, job = _call(f"{url}/v1/jobs", "POST", {"spec": {"model": "tiny"}, "dry_run": True})
+    proc = subprocess.Popen([sys.executable, "-m", module, "--host", "127.0.0.1", "--port",
+                             str(port), "--log-level", "warning"],
+                            env={**os.environ, **env, "PYTHONPATH": str(source),
+                                 "DMUON_API_TOKEN": TOKEN, "DMUON_LOCAL_RAY": "0"},
+                            cwd=source, start_new_session=True)
+    wait_healthy(url, proc, timeout_s=120)
+    return proc, url
 
-        def reader(_):
-            times = []
+
+def _readers(url: str, job_id: str) -> tuple[list[float], float]:
+    def reader(_):
+        times = []
+        with requests.Session() as session:
             for _ in range(PER_READER):
                 t0 = time.perf_counter()
-                status, _ = _call(f"{url}/v1/jobs/{job['id']}")
-                assert status == 200
+                resp = session.get(f"{url}/v1/jobs/{job_id}", timeout=60)
+                assert resp.status_code == 200, resp.text
                 times.append(time.perf_counter() - t0)
-            return times
+        return times
 
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=READERS) as pool:
-            latencies = sorted(t for ts in pool.map(reader, range(READERS)) for t in ts)
-        wall = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=READERS) as pool:
+        latencies = sorted(t for ts in pool.map(reader, range(READERS)) for t in ts)
+    return latencies, time.perf_counter() - t0
+
+
+def measure(name: str, source: pathlib.Path, module: str, env: dict) -> dict:
+    proc, url = _serve(source, module, env)
+    try:
+        job = requests.post(f"{url}/v1/jobs", json={"spec": {"model": "tiny"},
+                                                    "dry_run": True},
+                            headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120).json()
+        _readers(url, job["id"])  # warm-up: connection pools, caches, imports
+        latencies, wall = _readers(url, job["id"])
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        server.wait(timeout=30)
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
     p = {q: latencies[int(q / 100 * (len(latencies) - 1))] * 1e3 for q in (50, 90, 99)}
-    out = {"requests": len(latencies), "readers": READERS, "p50_ms": p[50], "p90_ms": p[90],
-           "p99_ms": p[99], "mean_ms": statistics.mean(latencies) * 1e3,
-           "requests_per_s": len(latencies) / wall}
-    print(f"GET /v1/jobs/{{id}}, {READERS} concurrent readers, {len(latencies)} requests: "
-          f"p50 {p[50]:.1f} ms, p90 {p[90]:.1f} ms, p99 {p[99]:.1f} ms, "
-          f"{out['requests_per_s']:.0f} req/s")
+    return {"service": name, "requests": len(latencies), "readers": READERS,
+            "p50_ms": p[50], "p90_ms": p[90], "p99_ms": p[99],
+            "requests_per_s": len(latencies) / wall}
+
+
+def _baseline_tree(tmp: str) -> pathlib.Path:
+    tree = pathlib.Path(tmp) / "baseline"
+    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree),
+                    BASELINE], check=True, capture_output=True)
+    return tree
+
+
+def _postgres_url(tmp: str):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from _postgres import Postgres
+
+    server = Postgres()
+    return server, server.database()
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-baseline", action="store_true")
+    ap.add_argument("--skip-postgres", action="store_true")
+    args = ap.parse_args(argv)
+    tmp = tempfile.mkdtemp(prefix="dmuon-bench-api-")
+    rows, server, tree = [], None, None
+    try:
+        rows.append(measure("this tree, SQLite", ROOT, "service.api.serve",
+                            {"DMUON_DB": f"{tmp}/new.db", "DMUON_STORAGE": tmp}))
+        if not args.skip_postgres:
+            server, url = _postgres_url(tmp)
+            rows.append(measure("this tree, PostgreSQL", ROOT, "service.api.serve",
+                                {"DMUON_DATABASE_URL": url, "DMUON_STORAGE": tmp}))
+        if not args.skip_baseline:
+            tree = _baseline_tree(tmp)
+            rows.append(measure(f"baseline {BASELINE}, SQLite", tree, "service.serve",
+                                {"DMUON_DB": f"{tmp}/old.db", "DMUON_STORAGE": tmp}))
+    finally:
+        if server is not None:
+            server.stop()
+        if tree is not None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force",
+                            str(tree)], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    _report(rows)
+
+
+def _report(rows: list[dict]) -> None:
+    print(f"GET /v1/jobs/{{id}}, {READERS} concurrent readers x {PER_READER} requests, "
+          "keep-alive, one uvicorn worker")
+    print(f"| {'service':<26} | req/s | p50 ms | p90 ms | p99 ms |")
+    print(f"|{'-' * 28}|------:|-------:|-------:|-------:|")
+    for r in rows:
+        print(f"| {r['service']:<26} | {r['requests_per_s']:5.0f} | {r['p50_ms']:6.1f} | "
+              f"{r['p90_ms']:6.1f} | {r['p99_ms']:6.1f} |")
+    base = next((r for r in rows if r["service"].startswith("baseline")), None)
+    if base:
+        for r in rows:
+            if r is not base:
+                print(f"{r['service']}: {r['requests_per_s'] / base['requests_per_s']:.2f}x "
+                      f"the baseline's throughput, p99 {r['p99_ms'] / base['p99_ms']:.2f}x")
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "api.json").write_text(json.dumps(out, indent=2))
+    (RESULTS / "api.json").write_text(json.dumps(rows, indent=2))
 
 
 if __name__ == "__main__":

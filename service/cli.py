@@ -17,8 +17,8 @@ import json
 import os
 import sys
 import time
-import urllib.error
-import urllib.request
+
+import requests
 
 from .spec import SpecError, load_spec
 
@@ -27,35 +27,25 @@ class ServiceError(RuntimeError):
     pass
 
 
-def json_request(url: str, method: str = "GET", body=None) -> urllib.request.Request:
-    """A request to the service with a JSON body and ``DMUON_API_TOKEN`` as bearer token
-    (the CLI's, and the entrypoint's metric posts)."""
-    req = urllib.request.Request(url, method=method,
-                                 data=json.dumps(body).encode() if body is not None else None,
-                                 headers={"Content-Type": "application/json"})
-    token = os.environ.get("DMUON_API_TOKEN")
-    if token:
-        req.add_header("Authorization", f"Bearer {token}")
-    return req
-
-
 def request(method: str, path: str, body=None, *, stream=False):
+    """The service's answer (parsed JSON, or text), or the open response with
+    ``stream``; ``DMUON_API_TOKEN`` goes as the bearer token."""
     url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
-    req = json_request(url, method, body)
+    token = os.environ.get("DMUON_API_TOKEN")
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        resp = urllib.request.urlopen(req, timeout=None if stream else 60)
-    except urllib.error.HTTPError as e:
-        raise ServiceError(f"{e.code} {e.reason}: {e.read().decode()[:2000]}") from None
-    except OSError as e:
+        resp = requests.request(method, url, json=body, headers=headers, stream=stream,
+                                timeout=(10, None if stream else 60))
+    except requests.RequestException as e:
         raise ServiceError(f"cannot reach {url}: {e}") from None
+    if resp.status_code >= 400:
+        raise ServiceError(f"{resp.status_code} {resp.reason}: {resp.text[:2000]}")
     if stream:
         return resp
-    with resp:
-        raw = resp.read().decode()
     try:
-        return json.loads(raw)
+        return resp.json()
     except ValueError:
-        return raw
+        return resp.text
 
 
 def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
@@ -64,8 +54,7 @@ def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
     status, first = "PENDING", None
     with request("GET", f"/v1/jobs/{job_id}/events", stream=True) as resp:
         event = None
-        for raw in resp:
-            line = raw.decode().rstrip("\n")
+        for line in resp.iter_lines(decode_unicode=True):
             if line.startswith("event: "):
                 event = line[7:]
             elif line.startswith("data: "):
@@ -129,7 +118,7 @@ def _run(args) -> int:
         sys.stdout.write(request("GET", f"/v1/jobs/{args.job_id}/logs"))
         return 0
     with request("GET", f"/v1/jobs/{args.job_id}/logs?follow=true", stream=True) as resp:
-        for chunk in iter(lambda: resp.read1(65536), b""):
+        for chunk in resp.iter_content(chunk_size=None):
             sys.stdout.write(chunk.decode(errors="replace"))
             sys.stdout.flush()
     return 0

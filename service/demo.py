@@ -18,12 +18,13 @@ import sys
 import time
 
 from . import cli
+from .api.serve import wait_healthy
 from .local_ray import free_port, stop_recorded
-from .serve import wait_healthy
 
 DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
                "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
-               "data": {"val_every": 10}, "checkpoint": {"interval": 20}}
+               "data": {"val_every": 10}, "checkpoint": {"interval": 20},
+               "optimizer": {"adamw_lr": 3e-3}}
 
 
 def _port(wanted: int) -> int:
@@ -61,7 +62,7 @@ def main() -> int:
     os.makedirs(root, exist_ok=True)
     os.environ.update(DMUON_URL=url, DMUON_API_TOKEN=env["DMUON_API_TOKEN"])
     print(f"starting the control plane and a local Ray head (storage {root}) ...", flush=True)
-    service = subprocess.Popen([sys.executable, "-m", "service.serve"], env=env,
+    service = subprocess.Popen([sys.executable, "-m", "service.api.serve"], env=env,
                                start_new_session=True)
     try:
         wait_healthy(url, service)

@@ -2,9 +2,12 @@
 
 Works under ``ray job submit --address ... --working-dir . -- python -m service.entrypoint
 --spec job.yaml`` (it attaches to the cluster the job runs on) and on its own (it then
-starts a local Ray on 127.0.0.1). The planner refuses an impossible layout before any
-worker starts. Prints one JSON line per step (every rank's record) and a final summary;
-exits non-zero on failure.
+starts a local Ray on 127.0.0.1). With ``--plan`` (the control plane's jobs) it runs the
+plan stored with the job, after checking that the live cluster can still hold it;
+without, it plans on the cluster it finds. Either way an impossible layout, or a data
+file that is not a regular file under the data root, is refused with the reason before
+any worker starts. Prints one JSON line per step (every rank's record) and a final
+summary; exits non-zero on failure.
 """
 
 from __future__ import annotations
@@ -30,17 +33,18 @@ if not os.environ.get("RAY_ADDRESS"):
 
 from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
-from .planner import PlacementError, inventory_from_ray, predict  # noqa: E402
-from .spec import SpecError, load_spec  # noqa: E402
-from .train import FAULT_ENV  # noqa: E402
+from .planner import PlacementError, check_fits, inventory_from_ray, predict  # noqa: E402
+from .spec import SpecError, load_spec, resolve_data_source  # noqa: E402
 
 
 class MetricsCallback(UserCallback):
     """On the Ray Train controller: one JSONL record per (step, rank) in
-    ``<dir>/metrics.jsonl``, one JSON line per step on stdout, optional HTTP post."""
+    ``<dir>/metrics.jsonl`` (durable: written first), one JSON line per step on stdout,
+    and a post to the control plane with the job's own token (fast)."""
 
-    def __init__(self, job_id: str, out_dir: str, post_url: str | None = None):
-        self.job_id, self.post_url = job_id, post_url
+    def __init__(self, job_id: str, out_dir: str, post_url: str | None = None,
+                 token: str | None = None):
+        self.job_id, self.post_url, self.token = job_id, post_url, token
         os.makedirs(out_dir, exist_ok=True)
         self.path = os.path.join(out_dir, "metrics.jsonl")
 
@@ -55,17 +59,16 @@ class MetricsCallback(UserCallback):
             line["val_loss"] = records[0]["val_loss"]
         print(json.dumps(line), flush=True)
         if self.post_url:
-            _post(self.post_url, records)
+            _post(self.post_url, records, self.token)
 
 
-def _post(url: str, records: list[dict]) -> None:
-    import urllib.request
+def _post(url: str, records: list[dict], token: str | None) -> None:
+    import requests
 
-    from .cli import json_request
-
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        urllib.request.urlopen(json_request(url, "POST", records), timeout=5).read()
-    except OSError as e:  # the JSONL file keeps the record; the service re-reads it
+        requests.post(url, json=records, headers=headers, timeout=5).raise_for_status()
+    except requests.RequestException as e:  # the spool keeps it; the service re-reads it
         print(f"metrics post to {url} failed: {e}", file=sys.stderr)
 
 
@@ -91,24 +94,37 @@ def connect_ray(num_cpus: int | None = None) -> None:
                  dashboard_host="127.0.0.1")
 
 
-def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
-            return_params: str | None = None, post_url: str | None = None):
-    """Plan, then fit a TorchTrainer; returns (ray Result, Placement, last step reported)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig
+def layout_to_run(spec, plan: dict | None) -> tuple[dict, dict]:
+    """(layout, ScalingConfig kwargs): the stored plan's, once the live cluster is seen
+    to hold it (else PlacementError with the reason), or a plan made here and now."""
+    nodes = inventory_from_ray()
+    if plan is not None:
+        check_fits(plan["layout"], spec, nodes)
+        return plan["layout"], plan["scaling"]
+    placement = predict(spec, nodes)
+    return ({"replicate": placement.replicate, "shard": placement.shard,
+             "nodes": placement.nodes}, placement.scaling_config_kwargs())
+
+
+def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
+            data_path: str | None = None, return_params: str | None = None,
+            post_url: str | None = None, token: str | None = None):
+    """Fit a TorchTrainer on the layout; returns (ray Result, layout, last step reported)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from .train import train_loop_per_worker
+    from . import train
 
-    placement = predict(spec, inventory_from_ray())
+    layout, scaling = layout_to_run(spec, plan)
     job_dir = os.path.join(storage, job_id)
-    config = {"spec": spec.model_dump(mode="json"), "replicate": placement.replicate,
-              "shard": placement.shard, "checkpoint_dir": os.path.join(job_dir, "dcp"),
-              "fault": fault, "return_params": return_params}
-    metrics = MetricsCallback(job_id, job_dir, post_url)
+    config = {"spec": spec.model_dump(mode="json"), "replicate": layout["replicate"],
+              "shard": layout["shard"], "checkpoint_dir": os.path.join(job_dir, "dcp"),
+              "data_path": data_path, "return_params": return_params}
+    metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(
-        train_loop_per_worker, train_loop_config=config,
-        scaling_config=placement.scaling_config(),
-        torch_config=TorchConfig(backend="nccl" if placement.spec.resources_per_worker.GPU
+        train.train_loop_per_worker, train_loop_config=config,
+        scaling_config=ScalingConfig(**scaling),
+        torch_config=TorchConfig(backend="nccl" if spec.resources_per_worker.GPU
                                  else "gloo", timeout_s=120),
         run_config=RunConfig(
             name=job_id, storage_path=storage,
@@ -119,7 +135,7 @@ def run_job(spec, *, job_id: str, storage: str, fault: str | None = None,
     )
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
-    return result, placement, _last_step(metrics.path)
+    return result, layout, _last_step(metrics.path)
 
 
 def _last_step(spool: str) -> int | None:
@@ -131,20 +147,46 @@ def _last_step(spool: str) -> int | None:
     return json.loads(lines[-1])["step"] if lines else None
 
 
-def main(argv=None) -> int:
+def _arguments(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True, help="job spec, YAML or JSON")
+    ap.add_argument("--plan", default=None,
+                    help="the stored plan (JSON) to run, checked against the live cluster")
     ap.add_argument("--storage", default=os.environ.get("DMUON_STORAGE",
                                                         os.path.abspath("dmuon_runs")))
+    ap.add_argument("--data-root", default=os.environ.get("DMUON_DATA_ROOT"),
+                    help="where data.source files live (default <storage>/data)")
     ap.add_argument("--job-id", default=os.environ.get("DMUON_JOB_ID"))
     ap.add_argument("--num-cpus", type=int, default=None, help="local Ray only")
     ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
+    ap.add_argument("--token-file", default=None,
+                    help="the job's own token for its metric posts")
     ap.add_argument("--final-params", default=None,
                     help="write every parameter in full (torch.save) here at the end")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def _inputs(args) -> tuple:
+    """(spec, plan, data path, token): everything read and checked before Ray starts."""
+    spec = load_spec(args.spec)
+    plan = None
+    if args.plan:
+        with open(args.plan) as fh:
+            plan = json.load(fh)
+    storage = os.path.abspath(args.storage)
+    data_path = resolve_data_source(spec, args.data_root or os.path.join(storage, "data"))
+    token = None
+    if args.token_file:
+        with open(args.token_file) as fh:
+            token = fh.read().strip()
+    return spec, plan, data_path, token
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
     try:
-        spec = load_spec(args.spec)
-    except (SpecError, OSError) as e:
+        spec, plan, data_path, token = _inputs(args)
+    except (SpecError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
@@ -152,12 +194,12 @@ def main(argv=None) -> int:
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
-        result, placement, last_step = run_job(
-            spec, job_id=job_id, storage=os.path.abspath(args.storage),
-            fault=os.environ.get(FAULT_ENV), return_params=args.final_params,
-            post_url=args.metrics_url)
+        result, layout, last_step = run_job(
+            spec, job_id=job_id, storage=os.path.abspath(args.storage), plan=plan,
+            data_path=data_path, return_params=args.final_params,
+            post_url=args.metrics_url, token=token)
         # Ray Train's Result keeps metrics only with a checkpoint
-        summary.update(layout=[placement.replicate, placement.shard], final_step=last_step)
+        summary.update(layout=[layout["replicate"], layout["shard"]], final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error))
     except PlacementError as e:

@@ -13,15 +13,18 @@ with a communication time from per-link bandwidths.
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import threading
 from dataclasses import dataclass, field
 
 import torch
 
 import dmuon
 
+from .dtypes import DTYPES
 from .models import build_model, muon_predicate
-from .spec import DTYPES, JobSpec, parse_spec
+from .spec import JobSpec, parse_spec
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
 # direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
@@ -121,6 +124,65 @@ def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
                 f"shard size N={N} must divide or be a multiple of {per_node} workers per "
                 "node, so that shard groups do not straddle nodes unevenly")
     return n_nodes, R, N
+
+
+def check_fits(layout: dict, spec: JobSpec, nodes: list[NodeInfo]) -> None:
+    """Refuse, with the reason, a stored layout that the cluster cannot hold now: its
+    ``nodes`` nodes must each fit ``replicate * shard / nodes`` workers of the spec."""
+    world, wanted = layout["replicate"] * layout["shard"], layout["nodes"]
+    per_node = -(-world // wanted)
+    fitting = [n for n in nodes if _slots(n, spec) >= per_node]
+    if len(fitting) < wanted:
+        raise PlacementError(
+            f"the stored plan ({layout['replicate']} x {layout['shard']} on {wanted} "
+            f"node(s), {per_node} workers of {spec.resources_per_worker.model_dump()} each) "
+            f"no longer fits: {len(fitting)} of the cluster's {len(nodes)} alive node(s) "
+            f"can hold {per_node} workers")
+
+
+def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
+    """``_plan_document`` for this spec and cluster, computed once: submissions come in
+    bursts of the same spec (retries, sweeps), and a plan builds a model."""
+    key = (spec.model_dump_json(), repr(cluster), assumed_cpus)
+    with _PLANS_LOCK:
+        cached = _PLANS.get(key)
+    if cached is None:
+        cached = json.dumps(_plan_document(spec, cluster, assumed_cpus))
+        with _PLANS_LOCK:
+            _PLANS[key] = cached
+            while len(_PLANS) > 64:
+                _PLANS.pop(next(iter(_PLANS)))
+    return json.loads(cached)
+
+
+_PLANS: dict[tuple, str] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
+    """The plan as stored with a job and run by its entrypoint: layout, per-rank
+    predictions, the partition, and the nodes it was planned on. Those are the attached
+    cluster's when the job fits them now; else (no cluster, or one that must grow first)
+    ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason."""
+    try:
+        if not cluster:
+            raise PlacementError("no Ray cluster attached" if cluster is None else
+                                 "the Ray cluster lists no alive node")
+        placement = predict(spec, cluster)
+        inventory = {"source": "cluster", "nodes": len(cluster)}
+    except PlacementError as on_cluster:
+        nodes = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        placement = predict(spec, synthetic_inventory(nodes, 0, cpus_per_node=assumed_cpus))
+        inventory = {"source": "assumed", "nodes": nodes, "cpus_per_node": assumed_cpus,
+                     "reason": str(on_cluster)}
+    return {
+        "layout": {"replicate": placement.replicate, "shard": placement.shard,
+                   "nodes": placement.nodes},
+        "inventory": inventory,
+        "ranks": [r.__dict__ for r in placement.ranks],
+        "partition": placement.plan.to_dict(),
+        "scaling": placement.scaling_config_kwargs(),
+    }
 
 
 @dataclass

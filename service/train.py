@@ -19,13 +19,9 @@ from torch.distributed.device_mesh import DeviceMesh
 import dmuon
 
 from .data import batch_at, load_corpus, load_text_corpus
+from .dtypes import DTYPES, muon_kwargs
 from .models import build_model, causal_lm_loss, init_builtin, muon_predicate
-from .spec import DTYPES, JobSpec, parse_spec
-
-# tests only: "rank:step:marker" makes that rank exit as the step begins, once;
-# "hold:<dir>" makes every rank wait before step s while <dir>/step_<s> exists, so a test
-# can inject a fault at an exact step however far the metrics lag behind the workers
-FAULT_ENV = "DMUON_TEST_FAULT"
+from .spec import JobSpec, parse_spec
 
 
 def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:
@@ -72,31 +68,15 @@ def build_training(spec: JobSpec, mesh: DeviceMesh):
         dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
     dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     dmuon.materialize(model, seed=spec.seed, init_fn=init_builtin)
-    o = spec.optimizer.model_dump()
-    o["ns_dtype"] = DTYPES[o["ns_dtype"]]
-    o["ns_gram_dtype"] = DTYPES.get(o["ns_gram_dtype"])
-    opt = dmuon.Muon(model, **o, ns_backend=spec.dmuon.ns_backend,
-                     replicate_async=spec.dmuon.replicate_async)
+    opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
     return model, opt
 
 
-def _corpus(spec: JobSpec, split: str) -> torch.Tensor:
-    if spec.data.source == "builtin":
+def _corpus(data_path: str | None, split: str) -> torch.Tensor:
+    """The built-in corpus, or the file the entrypoint resolved and checked."""
+    if data_path is None:
         return load_corpus(split)
-    return load_text_corpus(spec.data.source, split)
-
-
-def _maybe_fault(rank: int, step: int, fault: str | None) -> None:
-    if not fault:
-        return
-    if fault.startswith("hold:"):
-        while os.path.exists(os.path.join(fault[len("hold:"):], f"step_{step}")):
-            time.sleep(0.05)
-        return
-    f_rank, f_step, marker = fault.split(":", 2)
-    if rank == int(f_rank) and step == int(f_step) and not os.path.exists(marker):
-        open(marker, "w").close()
-        os._exit(17)  # abrupt: no cleanup, no exception for Ray to catch
+    return load_text_corpus(data_path, split)
 
 
 @torch.no_grad()
@@ -124,17 +104,16 @@ def _record(model, opt, step, loss, elapsed, tokens) -> dict:
 
 
 def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
-                 fault=None, node_ids=None, node_ip=None, fallback_checkpoint=None):
+                 data_path=None, node_ids=None, node_ip=None, fallback_checkpoint=None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory."""
     model, opt = build_training(spec, mesh)
     rank = dist.get_rank()
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     dp_rank, dp_size = r * mesh["shard"].size() + s, dist.get_world_size()
-    corpus, val_corpus = _corpus(spec, "train"), _corpus(spec, "val")
+    corpus, val_corpus = _corpus(data_path, "train"), _corpus(data_path, "val")
     start = _resume(model, opt, checkpoint_dir, fallback_checkpoint)
     for step in range(start, spec.steps):
-        _maybe_fault(rank, step + 1, fault)
         t0 = time.perf_counter()
         batch = batch_at(corpus, step, spec.batch_size * dp_size, spec.seq_len, seed=spec.seed)
         rows = batch[dp_rank * spec.batch_size:(dp_rank + 1) * spec.batch_size].to(_device())
@@ -171,7 +150,7 @@ def train_loop_per_worker(config: dict) -> None:
         ray.train.report(record, checkpoint=checkpoint)
 
     model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
-                         fault=config.get("fault"), node_ids=node_ids,
+                         data_path=config.get("data_path"), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),
                          fallback_checkpoint=ray.train.get_checkpoint)
     if config.get("return_params"):

@@ -1,4 +1,4 @@
-"""A real uvicorn serving the control plane on 127.0.0.1, and a tiny stdlib client."""
+"""A real uvicorn serving the control plane on 127.0.0.1, and a small client (requests)."""
 
 from __future__ import annotations
 
@@ -8,64 +8,78 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 
+import requests
+
+from service.api.serve import wait_healthy
 from service.local_ray import free_port
-from service.serve import wait_healthy
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def strict_json(text: str):
+    """JSON as the standard defines it: NaN or Infinity is an error, as in a browser."""
+    def refuse(constant):
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(text, parse_constant=refuse)
 
 
 class Service:
-    def __init__(self, root: str, token: str = "secret-token", **env):
-        self.port, self.token = free_port(), token
+    """``dmuon-serve`` in its own session; ``argv`` replaces the command (a wrapper)."""
+
+    def __init__(self, root: str, token: str | None = "secret-token", argv=None, **env):
+        self.port, self.token, self.root = free_port(), token, root
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, "DMUON_API_TOKEN": token,
-                    "DMUON_DB": os.path.join(root, "dmuon.db"),
+        self.env = {**os.environ, "DMUON_DB": os.path.join(root, "dmuon.db"),
                     "DMUON_STORAGE": os.path.join(root, "runs"),
                     "DMUON_SERVICE_URL": self.url, **env}
+        self.env.pop("DMUON_API_TOKEN", None)
+        if token is not None:
+            self.env["DMUON_API_TOKEN"] = token
+        self.argv = argv or [sys.executable, "-m", "service.api.serve"]
+        self.session = requests.Session()
         self.proc = None
         self.start()
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.serve", "--host", "127.0.0.1", "--port",
-             str(self.port), "--log-level", "warning"],
-            env=self.env, start_new_session=True)
+            [*self.argv, "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
+             "warning"], env=self.env, start_new_session=True, cwd=ROOT)
         wait_healthy(self.url, self.proc, timeout_s=120)
 
     def kill(self, sig=signal.SIGKILL) -> None:
-        os.killpg(self.proc.pid, sig)
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
         self.proc.wait(timeout=30)
 
-    def events(self, job_id: str, timeout_s: float = 300) -> list[dict]:
-        """The job's SSE data until the stream ends with the job; keep-alives would keep
-        a socket timeout from ever firing, so the whole read has a deadline."""
+    def events(self, job_id: str, timeout_s: float = 300, headers=None) -> list[dict]:
+        """The job's SSE data (parsed as strict JSON) until the stream ends with the job;
+        keep-alives would keep a socket timeout from firing, so the read has a deadline."""
         deadline, events = time.monotonic() + timeout_s, []
-        with urllib.request.urlopen(f"{self.url}/v1/jobs/{job_id}/events",
-                                    timeout=timeout_s) as resp:
-            for raw in resp:
+        with self.session.get(f"{self.url}/v1/jobs/{job_id}/events", stream=True,
+                              timeout=timeout_s, headers=headers) as resp:
+            assert resp.status_code == 200, resp.text
+            for line in resp.iter_lines(decode_unicode=True):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{job_id}'s events still open after {timeout_s} s")
-                line = raw.decode().strip()
                 if line.startswith("data: "):
-                    events.append(json.loads(line[6:]))
+                    events.append(strict_json(line[6:]))
         return events
 
-    def request(self, method, path, body=None, *, token=True, headers=None, timeout=30):
-        """(status, parsed JSON or text)."""
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if token:
-            req.add_header("Authorization", f"Bearer {self.token}")
-        for k, v in (headers or {}).items():
-            req.add_header(k, v)
+    def request(self, method, path, body=None, *, token=True, headers=None, timeout=30,
+                data=None):
+        """(status, parsed JSON or text). ``data``: raw bytes instead of a JSON body."""
+        headers = {"Content-Type": "application/json", **(headers or {})}
+        if token is True and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        elif isinstance(token, str):
+            headers["Authorization"] = f"Bearer {token}"
+        if data is None and body is not None:
+            data = json.dumps(body).encode()
+        resp = self.session.request(method, self.url + path, data=data, headers=headers,
+                                    timeout=timeout)
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as e:
-            status, raw = e.code, e.read()
-        try:
-            return status, json.loads(raw)
+            return resp.status_code, strict_json(resp.text)
         except ValueError:
-            return status, raw.decode()
+            return resp.status_code, resp.text

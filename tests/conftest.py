@@ -11,3 +11,21 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """One PostgreSQL server for the session (about 2 s to start); each user makes its
+    own database. Fails (not skips) where it cannot start: CI runs as root with the
+    Debian package installed."""
+    from _postgres import Postgres, available
+
+    reason = available()
+    if reason:
+        pytest.fail(reason)
+    server = Postgres()
+    yield server
+    server.stop()

@@ -1,85 +1,77 @@
-"""The control plane under real uvicorn on 127.0.0.1 with its SQLite store (no Ray)."""
+"""The control plane under real uvicorn on 127.0.0.1 (no Ray), on SQLite and on a real
+PostgreSQL server: the REST surface, and each defect of issue #15 by its exact input."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
-from _http import Service
+from _http import Service, strict_json
 
 TINY = {"model": "tiny", "steps": 5, "layout": {"replicate": 2, "shard": 2}}
 
 
-@pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    service = Service(str(tmp_path_factory.mktemp("svc")), DMUON_LOCAL_RAY="0")
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def svc(request, tmp_path_factory):
+    env = {"DMUON_LOCAL_RAY": "0"}
+    if request.param == "postgresql":
+        env["DMUON_DATABASE_URL"] = request.getfixturevalue("postgres").database()
+    service = Service(str(tmp_path_factory.mktemp(request.param)), **env)
+    service.engine = request.param
     yield service
     service.kill()
+
+
+def _dry(svc, spec=TINY, **kw):
+    status, job = svc.request("POST", "/v1/jobs", {"spec": spec, "dry_run": True}, **kw)
+    assert status == 201, job
+    return job
+
+
+def _fields(body) -> list[str]:
+    return [d["field"] for d in body["detail"]]
 
 
 def test_health_version_and_auth(svc):
     assert svc.request("GET", "/healthz", token=False) == (200, {"status": "ok"})
     status, body = svc.request("GET", "/version", token=False)
-    assert status == 200 and body["dmuon"]
-    status, _ = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, token=False)
-    assert status == 401
-    status, _ = svc.request("POST", "/v1/metrics", [], token=False)
-    assert status == 401
+    assert status == 200 and body["dmuon"] and body["torch"]
+    assert svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True},
+                       token=False)[0] == 401
 
 
 def test_dry_run_plans_and_reports_partition(svc):
-    status, job = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True})
-    assert status == 201 and job["status"] == "SUCCEEDED" and job["dry_run"]
+    job = _dry(svc)
+    assert job["status"] == "SUCCEEDED" and job["dry_run"]
     status, part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")
     assert status == 200 and part["layout"]["replicate"] == 2 and len(part["ranks"]) == 4
     owners = {p["owner"] for p in part["params"].values()}
     assert owners == {0, 1, 2, 3} and part["imbalance"] >= 1.0
-    status, plan = svc.request("POST", "/v1/plan", TINY, token=False)
+    status, plan = svc.request("POST", "/v1/plan", TINY)
     assert status == 200 and plan["partition"]["params"] == part["params"]
+    assert plan["scaling"]["num_workers"] == 4
 
 
 def test_idempotency_key_returns_the_same_job(svc):
-    headers = {"Idempotency-Key": "retry-me-1"}
+    headers = {"Idempotency-Key": f"retry-me-{svc.engine}"}
     first = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, headers=headers)
     again = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True}, headers=headers)
-    assert first[1]["id"] == again[1]["id"]
-    ids = [j["id"] for j in svc.request("GET", "/v1/jobs")[1]]
+    assert (first[0], again[0]) == (201, 200) and first[1]["id"] == again[1]["id"]
+    ids = [j["id"] for j in svc.request("GET", "/v1/jobs?limit=10000")[1]]
     assert ids.count(first[1]["id"]) == 1
     other = svc.request("POST", "/v1/jobs", {"spec": {**TINY, "steps": 6}, "dry_run": True},
                         headers=headers)
     assert other[0] == 409 and first[1]["id"] in other[1]["detail"]
-    assert len(svc.request("GET", "/v1/jobs")[1]) == len(ids)  # nothing new was made
-
-
-@pytest.mark.parametrize("spec,field", [
-    ({"model": "tiny", "steps": -1}, "spec.steps"),
-    ({"model": "nope"}, "spec.model"),
-    ({"model": "tiny", "optimizer": {"typo": 1}}, "spec.optimizer.typo"),
-])
-def test_invalid_specs_get_422_with_the_field_path(svc, spec, field):
-    status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
-    assert status == 422 and field in [d["field"] for d in body["detail"]]
+    assert len(svc.request("GET", "/v1/jobs?limit=10000")[1]) == len(ids)
 
 
 def test_impossible_layout_is_refused(svc):
     spec = {**TINY, "layout": {"replicate": 1, "shard": 7}}
     status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
     assert status == 422 and "cannot be split evenly" in json.dumps(body)
-
-
-def test_metrics_ingest_is_deduplicated_and_streamed(svc):
-    _, job = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True})
-    records = [{"job_id": job["id"], "step": s, "rank": r, "loss": 5.0 - s}
-               for s in (1, 2) for r in range(4)]
-    assert svc.request("POST", "/v1/metrics", records)[1] == {"inserted": 8}
-    assert svc.request("POST", "/v1/metrics", records)[1] == {"inserted": 0}
-    status, stored = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")
-    assert status == 200 and [(m["step"], m["rank"]) for m in stored] == \
-        [(s, r) for s in (1, 2) for r in range(4)]
-    events = svc.events(job["id"], timeout_s=30)
-    assert sorted((e["step"], e["rank"]) for e in events if "step" in e) == \
-        [(s, r) for s in (1, 2) for r in range(4)]
-    assert [e["status"] for e in events if "status" in e][-1] == "SUCCEEDED"
 
 
 def test_pending_job_without_ray_can_be_cancelled(svc):
@@ -89,54 +81,224 @@ def test_pending_job_without_ray_can_be_cancelled(svc):
     assert status == 200 and cancelled["status"] == "STOPPED"
     history = svc.request("GET", f"/v1/jobs/{job['id']}")[1]["history"]
     assert [h["status"] for h in history] == ["PENDING", "STOPPED"]
+    assert svc.request("POST", "/v1/jobs/dmuon-nope/cancel")[0] == 404
 
 
 def test_prometheus_counts_jobs_by_status(svc):
     status, text = svc.request("GET", "/metrics", token=False)
     counts = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("dmuon_"))
-    jobs = svc.request("GET", "/v1/jobs?limit=1000")[1]
+    jobs = svc.request("GET", "/v1/jobs?limit=10000")[1]
     assert status == 200
-    assert int(counts['dmuon_jobs{status="STOPPED"}']) == sum(j["status"] == "STOPPED"
-                                                             for j in jobs)
+    assert float(counts['dmuon_jobs{status="STOPPED"}']) == sum(j["status"] == "STOPPED"
+                                                               for j in jobs)
 
 
-def test_500_concurrent_submissions_lose_nothing(svc):
-    from concurrent.futures import ThreadPoolExecutor
+# -- defect 1: one non-finite float broke the job list for everyone ------------------------
+@pytest.mark.parametrize("raw,field", [
+    ('{"spec":{"optimizer":{"lr":1e999}},"dry_run":true}', "spec.optimizer.lr"),
+    ('{"spec":{"optimizer":{"lr":NaN}},"dry_run":true}', "spec.optimizer.lr"),
+    ('{"spec":{"optimizer":{"ns_coefficients":[3.4,-4.7,1e999]}},"dry_run":true}',
+     "spec.optimizer.ns_coefficients.2"),
+    ('{"spec":{"optimizer":{"adamw_betas":[0.9,NaN]}},"dry_run":true}',
+     "spec.optimizer.adamw_betas.1"),
+    ('{"spec":{"resources_per_worker":{"custom":{"tpu":1e999}}},"dry_run":true}',
+     "spec.resources_per_worker.custom.tpu"),
+])
+def test_non_finite_floats_are_refused_and_the_job_list_stays_up(svc, raw, field):
+    before = svc.request("GET", "/v1/jobs?limit=10000")[1]
+    status, body = svc.request("POST", "/v1/jobs", data=raw.encode())
+    assert status == 422 and _fields(body) == [field], body
+    status, after = svc.request("GET", "/v1/jobs?limit=10000")
+    assert status == 200 and after == before  # nothing committed, the list parses
 
-    def submit(i):  # two of every three are one request sent twice with the same key
-        key = {"Idempotency-Key": f"load-{i // 3}"} if i % 3 else {}
-        name = f"load-keyed-{i // 3}" if i % 3 else f"load-{i}"
-        return svc.request("POST", "/v1/jobs",
-                           {"spec": {**TINY, "name": name}, "dry_run": True},
-                           headers=key, timeout=120)
 
-    before = {j["id"] for j in svc.request("GET", "/v1/jobs?limit=100000")[1]}
-    with ThreadPoolExecutor(max_workers=32) as pool:
-        results = list(pool.map(submit, range(500)))
-    assert all(status == 201 for status, _ in results), {s for s, _ in results}
-    ids = [job["id"] for _, job in results]
-    keyed = {}
-    for i, job_id in enumerate(ids):
-        if i % 3:
-            keyed.setdefault(i // 3, set()).add(job_id)
-    assert all(len(v) == 1 for v in keyed.values())  # retries with a key: one job each
-    expected = len({job_id for i, job_id in enumerate(ids) if i % 3 == 0}) + len(keyed)
-    stored = {j["id"] for j in svc.request("GET", "/v1/jobs?limit=100000")[1]} - before
-    assert stored == set(ids) and len(stored) == expected
+# -- defect 2: one NaN metric broke that job's metrics for good ----------------------------
+def test_nan_loss_is_stored_as_null_and_stays_json(svc):
+    job = _dry(svc)
+    raw = (f'[{{"job_id":"{job["id"]}","step":1,"rank":0,"loss":NaN,"val_loss":Infinity}},'
+           f'{{"job_id":"{job["id"]}","step":1,"rank":1,"loss":2.5}}]')
+    status, body = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=raw.encode())
+    assert (status, body) == (200, {"inserted": 2})
+    status, stored = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")
+    assert status == 200 and stored[0]["loss"] is None and stored[1]["loss"] == 2.5
+    assert stored[0]["nonfinite"] == ["loss", "val_loss"]
+    events = svc.events(job["id"], timeout_s=30)  # parsed as strict JSON, as a browser does
+    assert [e.get("loss") for e in events if "step" in e] == [None, 2.5]
+
+
+def test_metrics_ingest_is_deduplicated_and_streamed(svc):
+    job = _dry(svc)
+    records = [{"job_id": job["id"], "step": s, "rank": r, "loss": 5.0 - s}
+               for s in (1, 2) for r in range(4)]
+    path = f"/v1/jobs/{job['id']}/metrics"
+    assert svc.request("POST", path, records)[1] == {"inserted": 8}
+    assert svc.request("POST", path, records)[1] == {"inserted": 0}
+    status, stored = svc.request("GET", path)
+    assert status == 200 and [(m["step"], m["rank"]) for m in stored] == \
+        [(s, r) for s in (1, 2) for r in range(4)]
+    events = svc.events(job["id"], timeout_s=30)
+    assert sorted((e["step"], e["rank"]) for e in events if "step" in e) == \
+        [(s, r) for s in (1, 2) for r in range(4)]
+    assert [e["status"] for e in events if "status" in e][-1] == "SUCCEEDED"
+    resumed = svc.events(job["id"], timeout_s=30, headers={"Last-Event-ID": "0"})
+    assert len([e for e in resumed if "step" in e]) == 8
+
+
+# -- defect 5: auth defaults -----------------------------------------------------------------
+def test_empty_and_non_ascii_bearer_tokens_get_401(svc):
+    for header in ("bearer", "Bearer ", "Bearer \u00e9t\u00e9", "Bearer secret-token\u00e9"):
+        status, _ = svc.request("POST", "/v1/jobs", {"spec": TINY, "dry_run": True},
+                                token=False, headers={"Authorization": header.encode()
+                                                      .decode("latin-1")})
+        assert status == 401, header
+    raw = {"Authorization": b"Bearer \xc3\xa9\xff"}  # bytes no str encoding takes back
+    import requests
+
+    resp = requests.post(f"{svc.url}/v1/jobs", data=b"{}", headers=raw, timeout=30)
+    assert resp.status_code == 401
+
+
+def test_plan_needs_the_token_and_bodies_are_bounded_before_reading(svc):
+    assert svc.request("POST", "/v1/plan", TINY, token=False)[0] == 401
+    big = b'{"spec": {"name": "' + b"x" * (2 << 20) + b'"}}'
+    for token in (False, True):
+        status, _ = svc.request("POST", "/v1/jobs", data=big, token=token)
+        assert status == 413, token
+    job = _dry(svc)
+    fifty_mb = b"[" + b"1," * (25 << 20) + b"1]"
+    status, _ = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=fifty_mb)
+    assert status == 413
+
+
+def test_empty_token_setting_and_an_open_public_bind_are_refused(tmp_path):
+    env = {**os.environ, "DMUON_DB": str(tmp_path / "db.sqlite"), "DMUON_LOCAL_RAY": "0"}
+    serve = [sys.executable, "-m", "service.api.serve", "--port", "9"]
+    empty = subprocess.run(serve, env={**env, "DMUON_API_TOKEN": " "}, capture_output=True,
+                           text=True, timeout=120)
+    assert empty.returncode == 2 and "DMUON_API_TOKEN is set but empty" in empty.stderr
+    env.pop("DMUON_API_TOKEN", None)
+    public = subprocess.run([*serve, "--host", "0.0.0.0"], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert public.returncode == 2 and "DMUON_API_TOKEN is unset" in public.stderr
+
+
+@pytest.fixture(scope="module")
+def open_svc(tmp_path_factory):
+    """No token: loopback only, and no cross-site change."""
+    service = Service(str(tmp_path_factory.mktemp("open")), token=None, DMUON_LOCAL_RAY="0")
+    yield service
+    service.kill()
+
+
+def test_without_a_token_cross_site_requests_cannot_cancel(open_svc):
+    _, job = open_svc.request("POST", "/v1/jobs", {"spec": TINY})
+    cancel = f"/v1/jobs/{job['id']}/cancel"
+    for headers in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Host": "evil.example"}):
+        status, body = open_svc.request("POST", cancel, headers=headers)
+        assert status == 403, (headers, body)
+    assert open_svc.request("GET", f"/v1/jobs/{job['id']}")[1]["status"] == "PENDING"
+    assert open_svc.request("GET", "/v1/jobs", headers={"Host": "evil.example"})[0] == 403
+    same = {"Origin": open_svc.url}
+    assert open_svc.request("POST", cancel, headers=same)[1]["status"] == "STOPPED"
+
+
+# -- defect 6: metric ingest accepted anything ------------------------------------------------
+def test_metric_ingest_refuses_wrong_types_unknown_jobs_and_other_jobs_tokens(svc):
+    job = _dry(svc)
+    path = f"/v1/jobs/{job['id']}/metrics"
+    status, body = svc.request("POST", path, [{"job_id": job["id"], "step": "one",
+                                               "rank": 0, "memory": {"x": "big"}}])
+    assert status == 422 and set(_fields(body)) == {"0.step", "0.memory.x"}
+    status, _ = svc.request("POST", "/v1/jobs/dmuon-000000000000/metrics",
+                            [{"job_id": "dmuon-000000000000", "step": 1, "rank": 0}])
+    assert status == 404
+    status, body = svc.request("POST", path, [{"job_id": "other", "step": 1, "rank": 0}])
+    assert status == 422 and _fields(body) == ["0.job_id"]
+    assert svc.request("POST", path, [], token="not-this-jobs-token")[0] == 401
+    too_many = [{"job_id": job["id"], "step": s, "rank": 0} for s in range(1001)]
+    assert svc.request("POST", path, too_many)[0] == 422
+
+
+def test_a_posted_record_cannot_hide_the_jobs_own(svc, tmp_path):
+    """An injected post first, then the job's spool: the spool's record wins, and the
+    event stream sends the correction."""
+    from service.api.records import read_spool
+    from service.api.settings import Settings
+    from service.api.store import JobStore
+
+    job = _dry(svc)
+    fake = {"job_id": job["id"], "step": 1, "rank": 0, "loss": 0.001}
+    assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", [fake])[1]["inserted"] == 1
+    spool = tmp_path / "metrics.jsonl"
+    spool.write_text(json.dumps({**fake, "loss": 5.5}) + "\n")
+    store = JobStore(Settings(db=svc.env["DMUON_DB"],
+                              database_url=svc.env.get("DMUON_DATABASE_URL")).store_url())
+    try:
+        assert read_spool(store, job["id"], str(spool), 0) == (1, [])
+    finally:
+        store.close()
+    stored = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    assert [m["loss"] for m in stored] == [5.5]
+    assert [e["loss"] for e in svc.events(job["id"], timeout_s=30) if "step" in e] == [5.5]
+
+
+# -- defect 7: other 500s ---------------------------------------------------------------------
+def test_lone_surrogates_and_huge_integers_get_422(svc):
+    status, body = svc.request("POST", "/v1/jobs",
+                               data=b'{"spec": {"name": "\\ud800"}, "dry_run": true}')
+    assert status == 422 and _fields(body) == ["spec.name"]
+    job = _dry(svc)
+    status, body = svc.request("GET", f"/v1/jobs/{job['id']}/metrics?after_step={10**20}")
+    assert status == 422 and _fields(body) == ["query.after_step"]
+    status, body = svc.request("GET", f"/v1/jobs/{job['id']}/events",
+                               headers={"Last-Event-ID": str(10**20)})
+    assert status == 422 and _fields(body) == ["header.last-event-id"]
+    status, body = svc.request("POST", "/v1/jobs", {"spec": {"seed": 10**20}})
+    assert status == 422 and _fields(body) == ["spec.seed"]
+
+
+# -- defect 9: specs not checked before workers start -----------------------------------------
+@pytest.mark.parametrize("spec,field", [
+    ({"data": {"source": "/dev/zero"}}, "spec.data.source"),
+    ({"data": {"source": "../../etc/passwd"}}, "spec.data.source"),
+    ({"data": {"source": "missing.txt"}}, "spec.data.source"),
+    ({"checkpoint": {"storage_path": "/somewhere"}}, "spec.checkpoint.storage_path"),
+    ({"model": "tiny", "seq_len": 65}, "spec.seq_len"),
+    ({"seed": 9_300_000_000_000}, "spec.seed"),
+    ({"name": "x" * 129}, "spec.name"),
+    ({"steps": "5"}, "spec.steps"),
+    ({"model": {"dim": "wide", "n_layers": 1, "n_heads": 1, "n_kv_heads": 1,
+                "ffn_dim": 8}}, "spec.model.dim"),
+    ({"model": {"dim": 10, "n_layers": 1, "n_heads": 3, "n_kv_heads": 1, "ffn_dim": 8}},
+     "spec.model"),
+    ({"dmuon": {"ns_backend": "gram"}}, "spec.dmuon"),
+])
+def test_specs_are_checked_before_any_worker(svc, spec, field):
+    status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
+    assert status == 422 and _fields(body) == [field], body
+
+
+def test_a_data_file_under_the_data_root_is_accepted(svc):
+    root = os.path.join(svc.env["DMUON_STORAGE"], "data")
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "corpus.txt"), "w") as fh:
+        fh.write("hello " * 1000)
+    status, job = svc.request("POST", "/v1/jobs",
+                              {"spec": {**TINY, "data": {"source": "corpus.txt"}}})
+    assert status == 201 and job["spec"]["data"]["source"] == "corpus.txt"
+    svc.request("POST", f"/v1/jobs/{job['id']}/cancel")
 
 
 def test_cli_submit_status_plan_cancel(svc, tmp_path):
-    import os
-    import subprocess
-    import sys
-
     spec = tmp_path / "job.yaml"
     spec.write_text("model: tiny\nsteps: 5\nlayout: {replicate: 2, shard: 2}\n")
     env = {**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
 
-    def cli(*args):
-        return subprocess.run([sys.executable, "-m", "service.cli", *args], env=env,
-                              capture_output=True, text=True, timeout=60)
+    def cli(*args, **extra):
+        return subprocess.run([sys.executable, "-m", "service.cli", *args],
+                              env={**env, **extra}, capture_output=True, text=True,
+                              timeout=60)
 
     submitted = cli("submit", str(spec), "--dry-run", "--follow")
     assert submitted.returncode == 0, submitted.stderr
@@ -150,19 +312,20 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
     spec.write_text("model: tiny\nsteps: 0\n")
     bad = cli("submit", str(spec))
     assert bad.returncode == 1 and "steps:" in bad.stderr
-    denied = subprocess.run([sys.executable, "-m", "service.cli", "cancel", pending],
-                            env={**env, "DMUON_API_TOKEN": "wrong"}, capture_output=True,
-                            text=True, timeout=60)
+    denied = cli("cancel", pending, DMUON_API_TOKEN="wrong")
     assert denied.returncode == 1 and "401" in denied.stderr
 
 
-def test_database_url_setting_names_sqlite_files_and_refuses_other_engines(tmp_path):
-    from service.settings import Settings
+def test_the_cli_parses_specs_without_torch(tmp_path):
+    code = ("import sys; from service.cli import main; from service.spec import load_spec; "
+            f"load_spec({str(tmp_path / 'job.yaml')!r}); "
+            "print('torch' in sys.modules, 'dmuon' in sys.modules)")
+    (tmp_path / "job.yaml").write_text("model: tiny\noptimizer: {adamw_betas: [0.9, 0.99]}\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.stdout.split() == ["False", "False"], out.stderr
 
-    absolute = tmp_path / "jobs.db"
-    assert Settings(database_url=f"sqlite:///{absolute}").sqlite_path() == str(absolute)
-    assert Settings(database_url="sqlite:///rel/jobs.db").sqlite_path() == "rel/jobs.db"
-    assert Settings(db_path="x.db", database_url=None).sqlite_path() == "x.db"
-    for url in ("postgresql://db/jobs", "sqlite://", "jobs.db"):
-        with pytest.raises(ValueError, match="DMUON_DATABASE_URL"):
-            Settings(database_url=url).sqlite_path()
+
+def test_strict_json_helper_refuses_nan():
+    with pytest.raises(ValueError):
+        strict_json("[NaN]")

@@ -22,12 +22,14 @@ WORLD = 4
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("e2e"))
+    root = str(tmp_path_factory.mktemp("e2e with a space"))  # Ray runs the command in a shell
     # RAY_ADDRESS unset: the service starts its own head
     holds = os.path.join(root, "holds")  # a job's ranks wait before step s while
     os.makedirs(holds)                      # holds/step_<s> exists
-    svc = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="",
-                  DMUON_TEST_FAULT=f"hold:{holds}")
+    wrapper = [sys.executable, os.path.join(os.path.dirname(__file__), "_faults.py"),
+               "serve", f"hold:{holds}", "--"]
+    svc = Service(root, argv=wrapper, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD),
+                  RAY_ADDRESS="")
     svc.holds = holds
     try:
         yield svc
@@ -104,6 +106,11 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     summary = json.loads(next(line for line in logs.splitlines() if '"summary"' in line))
     assert status == 200 and summary["summary"]["final_step"] == SPEC["steps"]
     assert svc.request("GET", f"/v1/jobs/{job['id']}/logs", token=False)[0] == 401
+    from ray.job_submission import JobSubmissionClient
+
+    dashboard = f"http://127.0.0.1:{_head(svc)['dashboard_port']}"
+    info = JobSubmissionClient(dashboard).get_job_info(job["id"])
+    assert svc.token not in json.dumps(info.dict(), default=str)  # no admin token in Ray
     streamed = subprocess.run(  # logs -f streams ?follow=true, which ends with the job
         [sys.executable, "-m", "service.cli", "logs", "-f", job["id"]], capture_output=True,
         text=True, timeout=120, env={**os.environ, "DMUON_URL": svc.url,

@@ -29,7 +29,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KUBERAY = os.path.join(ROOT, "tests", "data", "kuberay")
 K8S_VERSION = "1.34"
-TREES = ["base", "overlays/cpu-dev", "overlays/gpu"]
+TREES = ["base", "overlays/cpu-dev", "overlays/gpu", "overlays/gpu-postgres"]
 # variables that Ray, NCCL, gloo and OpenMP read (not this project's code)
 EXTERNAL_ENV = {"RAY_ADDRESS", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_health_check_period_ms",
                 "RAY_health_check_timeout_ms", "RAY_health_check_failure_threshold",
@@ -262,8 +262,8 @@ def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path
 def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     import uvicorn
 
-    import service.serve
-    from service.app import create_app
+    import service.api.serve
+    from service.api.app import create_app
 
     docs = rendered["overlays/gpu"]
     deployment, svc = _one(docs, "Deployment"), _one(docs, "Service")
@@ -271,20 +271,20 @@ def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["dmuon-serve"]
     script = metadata.entry_points(group="console_scripts", name="dmuon-serve")
-    assert [e.value for e in script] == ["service.serve:main"]
+    assert [e.value for e in script] == ["service.api.serve:main"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     for name, value in env.items():
         monkeypatch.setenv(name, value or "from-a-secret")
+    monkeypatch.setenv("DMUON_DB", str(tmp_path / "db.sqlite"))  # the PVC's path is not here
     ran = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(kw, app=app))
-    assert service.serve.main([]) == 0
+    assert service.api.serve.main([]) == 0
     port = container["ports"][0]
-    assert ran["port"] == port["containerPort"] == service.serve.DEFAULT_PORT
-    assert ran["host"] == "0.0.0.0" and ran["app"] == "service.app:create_app"
+    assert ran["port"] == port["containerPort"] == service.api.serve.DEFAULT_PORT
+    assert ran["host"] == "0.0.0.0" and ran["app"] == "service.api.app:create_app"
     assert svc["spec"]["ports"][0]["targetPort"] == port["name"]
-    monkeypatch.setenv("DMUON_DB", str(tmp_path / "db.sqlite"))
     app = create_app()
-    routes = {r.path: r.methods for r in app.routes if hasattr(r, "methods")}
+    routes = {path: {m.upper() for m in ops} for path, ops in app.openapi()["paths"].items()}
     for probe in ("readinessProbe", "livenessProbe"):
         get = container[probe]["httpGet"]
         assert "GET" in routes[get["path"]] and get["port"] == port["name"]
@@ -318,12 +318,15 @@ def test_env_names_and_secrets_agree_with_the_code(rendered, tree):
     for folder, _, files in os.walk(os.path.join(ROOT, "service")):
         source += "".join(open(os.path.join(folder, f)).read() for f in files
                           if f.endswith(".py"))
+    from service.api.settings import Settings
+
+    settings = {f"DMUON_{name.upper()}" for name in Settings.model_fields}
     docs = rendered[tree]
     secret = _one(docs, "Secret")
     for c in _containers(docs):
         for e in c.get("env", []):
-            assert e["name"] in EXTERNAL_ENV or (e["name"].startswith("DMUON_")
-                                                 and f'"{e["name"]}"' in source), e["name"]
+            assert e["name"] in EXTERNAL_ENV | settings or (
+                e["name"].startswith("DMUON_") and f'"{e["name"]}"' in source), e["name"]
             ref = e.get("valueFrom", {}).get("secretKeyRef")
             if ref:
                 assert ref["name"] == secret["metadata"]["name"] and ref["key"] in secret["data"]

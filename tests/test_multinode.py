@@ -69,11 +69,11 @@ def _submit(hosts: TwoHosts, job_id: str, hold_before: tuple[int, ...] = ()):
     os.makedirs(holds)
     for step in hold_before:
         open(os.path.join(holds, f"step_{step}"), "w").close()
-    proc = hosts.popen("a", [sys.executable, "-m", "service.entrypoint", "--spec", spec,
-                             "--storage", storage, "--job-id", job_id,
+    wrapper = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_faults.py")
+    proc = hosts.popen("a", [sys.executable, wrapper, "entrypoint", f"hold:{holds}", "--",
+                             "--spec", spec, "--storage", storage, "--job-id", job_id,
                              "--final-params", params], f"{job_id}.log",
-                       RAY_ADDRESS=f"{hosts.ip['a']}:{RAY_PORT}",
-                       DMUON_TEST_FAULT=f"hold:{holds}")
+                       RAY_ADDRESS=f"{hosts.ip['a']}:{RAY_PORT}")
     return proc, os.path.join(storage, job_id, "metrics.jsonl"), params
 
 

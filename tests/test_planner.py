@@ -125,3 +125,45 @@ def test_predictions_equal_what_workers_measure(mode):
         predicted = placement.ranks[rank]
         assert memory == predicted.memory, rank
         assert ledger == predicted.ledger, rank
+
+
+# the spec names dtypes; dmuon.Muon takes torch dtypes (service.dtypes maps them)
+def _as_spec_default(value):
+    import torch
+
+    from service.dtypes import DTYPES
+
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    return names[value] if isinstance(value, torch.dtype) else value
+
+
+def test_optimizer_section_is_exactly_dmuon_muons_options():
+    """Names and defaults, read from dmuon.Muon's signature (its first positional
+    parameter, the model, aside): a new or changed Muon option fails here until the spec
+    follows it."""
+    import inspect
+
+    import dmuon
+    from service.spec import OptimizerSpec
+
+    params = list(inspect.signature(dmuon.Muon).parameters.values())[1:]
+    muon = {p.name: _as_spec_default(p.default) for p in params}
+    spec = {name: field.get_default(call_default_factory=True)
+            for name, field in OptimizerSpec.model_fields.items()}
+    assert spec == muon
+
+
+def test_the_spec_maps_onto_muons_call():
+    import inspect
+
+    import torch
+
+    import dmuon
+    from service.dtypes import muon_kwargs
+
+    spec = parse_spec({"model": "tiny", "optimizer": {"ns_dtype": "float64",
+                                                      "adamw_betas": [0.8, 0.9]}})
+    kwargs = muon_kwargs(spec.optimizer)
+    assert kwargs["ns_dtype"] is torch.float64 and kwargs["ns_gram_dtype"] is None
+    assert kwargs["adamw_betas"] == (0.8, 0.9)
+    inspect.signature(dmuon.Muon).bind(torch.nn.Linear(2, 2), **kwargs)  # every name fits

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from _faults import installed
 
 from service.local_ray import RAY, LocalRayHead
 from service.spec import parse_spec
@@ -19,7 +20,8 @@ from service.spec import parse_spec
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "t", "model": "tiny", "steps": 8, "batch_size": 4, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "checkpoint": {"interval": 4},
-        "data": {"val_every": 4}, "max_failures": 1}
+        "data": {"val_every": 4}, "max_failures": 1,
+        "optimizer": {"adamw_lr": 3e-3}}  # the spec's default before it became Muon's 1e-3
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +47,15 @@ def _records(storage, job_id):
         return [json.loads(line) for line in fh]
 
 
-def _run(storage, job_id, **kw):
+def _run(storage, job_id, fault=None):
     from service.entrypoint import run_job
 
     params = os.path.join(storage, f"{job_id}.params.pt")
-    run_job(parse_spec(SPEC), job_id=job_id, storage=storage, return_params=params, **kw)
+    if fault:
+        with installed(fault):
+            run_job(parse_spec(SPEC), job_id=job_id, storage=storage, return_params=params)
+    else:
+        run_job(parse_spec(SPEC), job_id=job_id, storage=storage, return_params=params)
     return _records(storage, job_id), torch.load(params)
 
 
@@ -85,16 +91,24 @@ def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage):
         assert torch.equal(params[key], value), key
 
 
-def test_ray_job_submit_succeeds_with_json_lines(head, storage, tmp_path):
+def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_path):
+    """The spec asks 2 x 2; the stored plan says 1 x 4: the plan is what runs."""
+    from service.planner import plan_document
+
+    data = {**SPEC, "steps": 3, "checkpoint": {"interval": 0}}
     spec = tmp_path / "job.json"
-    spec.write_text(json.dumps({**SPEC, "steps": 3, "checkpoint": {"interval": 0}}))
+    spec.write_text(json.dumps(data))
+    plan = plan_document(parse_spec({**data, "layout": {"replicate": 1, "shard": 4}}),
+                         None, 4)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, "RAY_ADDRESS": head.dashboard}
     runtime_env = {"excludes": [".venv", ".git", "*.pt", "bench/results"]}
     proc = subprocess.run(
         [RAY, "job", "submit", "--working-dir", ROOT,
          "--runtime-env-json", json.dumps(runtime_env), "--",
          sys.executable, "-m", "service.entrypoint", "--spec", str(spec),
-         "--storage", storage, "--job-id", "submitted"],
+         "--plan", str(tmp_path / "plan.json"), "--storage", storage,
+         "--job-id", "submitted"],
         env=env, capture_output=True, text=True, timeout=300)
     assert "SUCCEEDED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     # the job's stdout, as `ray job submit` relays it (lines may carry a log prefix)
@@ -104,6 +118,27 @@ def test_ray_job_submit_succeeds_with_json_lines(head, storage, tmp_path):
     assert steps == [1, 2, 3], proc.stdout[-2000:]
     assert all(len(line["ranks"]) == 4 for line in lines if "step" in line)
     assert lines[-1]["summary"]["status"] == "SUCCEEDED"
+    assert lines[-1]["summary"]["layout"] == [1, 4]
+    assert {tuple(r["coord"]) for r in _records(storage, "submitted")} == {
+        (0, 0), (0, 1), (0, 2), (0, 3)}
+
+
+def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_path):
+    from service.planner import plan_document
+
+    spec = tmp_path / "job.json"
+    spec.write_text(json.dumps(SPEC))
+    plan = plan_document(parse_spec({**SPEC, "layout": {"nodes": 2, "workers_per_node": 2}}),
+                         None, 4)  # planned on 2 assumed nodes; the head is 1 node
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.entrypoint", "--spec", str(spec), "--plan",
+         str(tmp_path / "plan.json"), "--storage", str(tmp_path)],
+        env={**os.environ, "RAY_ADDRESS": head.address}, capture_output=True, text=True,
+        timeout=300, cwd=ROOT)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "the stored plan (2 x 2 on 2 node(s)" in proc.stderr
+    assert "no longer fits: 1 of the cluster's 1 alive node(s) can hold 2" in proc.stderr
 
 
 def test_second_local_head_on_the_same_machine_takes_jobs(head):
@@ -160,9 +195,9 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
 
         spec = parse_spec({**SPEC, "layout": {}})  # auto: 2 nodes x 2 workers
         params_path = os.path.join(storage, "two_nodes.params.pt")
-        _, placement, _ = run_job(spec, job_id="two_nodes", storage=storage,
-                                  return_params=params_path)
-        assert (placement.replicate, placement.shard) == (2, 2)
+        _, layout, _ = run_job(spec, job_id="two_nodes", storage=storage,
+                               return_params=params_path)
+        assert (layout["replicate"], layout["shard"]) == (2, 2)
         records = _records(storage, "two_nodes")
         node = {r["rank"]: r["node_id"] for r in records}
         coord = {r["rank"]: tuple(r["coord"]) for r in records}
@@ -177,3 +212,91 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+# -- the runner against real Ray's job API (defects 3, 4 and 10 of issue #15) --------------
+SLEEPER = (sys.executable, "-c", "import time; time.sleep(120)")  # argv after -c: ignored
+
+
+@pytest.fixture
+def runner(head, tmp_path, monkeypatch):
+    from service.api import runner as runner_module
+    from service.api.store import JobStore
+
+    # jobs run a sleeper instead of training: these tests are about the queue
+    monkeypatch.setattr(runner_module, "ENTRYPOINT", SLEEPER)
+    store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
+    made = runner_module.RayJobRunner(store, head.dashboard, storage=str(tmp_path / "a b"),
+                                      data_root=str(tmp_path), service_url="http://x",
+                                      max_running=3)
+    yield made
+    for job in store.list_jobs():
+        made.stop_quietly(job["id"])
+    store.close()
+
+
+def _ray_status(runner, job_id, wanted, timeout=60):
+    deadline = time.time() + timeout
+    while (status := str(runner.client.get_job_status(job_id).value)) not in wanted:
+        assert time.time() < deadline, f"{job_id} still {status} on Ray"
+        time.sleep(0.3)
+    return status
+
+
+def _job(store, name="j"):
+    return store.create_job(name, {"name": name}, dry_run=False, plan={})[0]["id"]
+
+
+def test_runner_goes_on_past_a_job_ray_forgot_and_one_it_already_has(runner):
+    store = runner.store
+    forgotten = _job(store, "forgotten")  # RUNNING in the store; Ray has no such job
+    store.claim_next(3, "h")
+    assert store.mark_submitted(forgotten)
+    # the service was killed between submit_job and storing RUNNING: Ray has it already
+    resubmitted = _job(store, "resubmitted")
+    runner.client.submit_job(entrypoint=" ".join(SLEEPER[:2]) + " 'import time; "
+                             "time.sleep(120)'", submission_id=resubmitted)
+    queued = _job(store, "queued")  # behind both
+    runner.sync()
+    assert store.get_job(forgotten)["status"] == "FAILED"
+    assert "Ray has no record" in store.get_job(forgotten)["message"]
+    assert store.get_job(resubmitted)["status"] == "RUNNING"
+    assert store.get_job(queued)["status"] == "RUNNING"
+    assert _ray_status(runner, queued, {"RUNNING", "PENDING"})
+    runner.sync()  # and again: no error repeats on every tick
+    assert [j["id"] for j in store.list_jobs("RUNNING")] == [queued, resubmitted]
+
+
+def test_cancel_while_the_runner_submits_stops_the_job_on_ray(runner):
+    """The issue's interleaving: the runner has claimed the job; cancel arrives before
+    Ray has it (so there is nothing to stop yet); the submission lands afterwards. The
+    store says STOPPED, and so, once the runner has reconciled, does Ray."""
+    store = runner.store
+    job_id = _job(store)
+    claimed = store.claim_next(3, "h")
+    assert claimed["id"] == job_id
+    job, on_ray = store.cancel(job_id)
+    assert job["status"] == "STOPPED" and on_ray
+    runner.stop_quietly(job_id)  # what the API does; Ray does not know the job yet
+    runner.client.submit_job(entrypoint=runner.command(claimed, "token"), submission_id=job_id)
+    runner.sync()
+    assert _ray_status(runner, job_id, {"STOPPED", "FAILED"}) == "STOPPED"
+    runner.sync()
+    assert store.get_job(job_id)["status"] == "STOPPED" and store.on_ray() == []
+
+
+def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeypatch):
+    import shlex
+
+    from service.api import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "ENTRYPOINT", ("python", "-m", "service.entrypoint"))
+    monkeypatch.setenv("DMUON_API_TOKEN", "the-admin-token")
+    job = {"id": "dmuon-0123456789ab", "spec": {"name": "x"}, "plan": {}}
+    argv = shlex.split(runner.command(job, "job-token"))
+    storage = argv[argv.index("--storage") + 1]
+    assert storage == runner.storage and " " in storage  # one argument, space and all
+    token_file = argv[argv.index("--token-file") + 1]
+    assert open(token_file).read() == "job-token" and os.stat(token_file).st_mode & 0o777 == 0o600
+    assert "the-admin-token" not in " ".join(argv)
+    assert "DMUON_API_TOKEN" not in runner_module.FORWARDED_ENV

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
-STATIC = resources.files("service") / "static"
+STATIC = resources.files("service.api") / "static"
 
 
 def _plotly_bundle() -> str:

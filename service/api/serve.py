@@ -1,7 +1,9 @@
-"""Start the control plane under uvicorn: ``dmuon-serve`` (or ``python -m service.serve``).
+"""Start the control plane under uvicorn: ``dmuon-serve`` (or ``python -m service.api.serve``).
 
 Binds ``DMUON_HOST``:``DMUON_PORT`` (default 127.0.0.1:8000; a container sets
-``DMUON_HOST=0.0.0.0``). Every other setting is read by ``service.app.Settings``.
+``DMUON_HOST=0.0.0.0``). Every other setting is read by ``service.api.settings``. The
+settings and the job store are checked before the server starts, so a bad token, URL or
+database file ends the command with the reason, not a traceback.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
+
+import requests
 
 DEFAULT_PORT = 8000
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
@@ -24,11 +28,34 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> No
         if proc.poll() is not None:
             raise RuntimeError(f"the service exited with code {proc.returncode}")
         try:
-            urllib.request.urlopen(f"{url}/healthz", timeout=2).read()
+            requests.get(f"{url}/healthz", timeout=2).raise_for_status()
             return
-        except OSError:
+        except requests.RequestException:
             time.sleep(0.2)
     raise TimeoutError(f"the service at {url} did not answer /healthz in {timeout_s:.0f} s")
+
+
+def preflight(host: str) -> str | None:
+    """Why the service must not start (None: it may)."""
+    from pydantic import ValidationError
+
+    from .settings import Settings
+    from .store import JobStore, StoreError
+
+    try:
+        settings = Settings()
+        url = settings.store_url()
+    except (ValidationError, ValueError) as e:
+        return str(e)
+    if settings.token() is None and host not in LOOPBACK and \
+            os.environ.get("DMUON_ALLOW_NO_TOKEN") != "1":
+        return (f"DMUON_API_TOKEN is unset and the service would listen on {host}: set a "
+                "token (or DMUON_ALLOW_NO_TOKEN=1 behind a proxy that authenticates)")
+    try:
+        JobStore(url).close()
+    except StoreError as e:
+        return str(e)
+    return None
 
 
 def main(argv=None) -> int:
@@ -41,9 +68,13 @@ def main(argv=None) -> int:
     # jobs post their metrics here unless the deployment names another address
     reachable = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     os.environ.setdefault("DMUON_SERVICE_URL", f"http://{reachable}:{args.port}")
+    refused = preflight(args.host)
+    if refused:
+        print(f"dmuon-serve: {refused}", file=sys.stderr)
+        return 2
     import uvicorn
 
-    uvicorn.run("service.app:create_app", factory=True, host=args.host, port=args.port,
+    uvicorn.run("service.api.app:create_app", factory=True, host=args.host, port=args.port,
                 log_level=args.log_level)
     return 0
 

@@ -1,0 +1,95 @@
+"""The control plane: FastAPI routers over the job store, the planner and Ray's job API.
+
+    dmuon-serve                      (or: uvicorn service.api.app:create_app --factory)
+
+Settings: ``service.api.settings``. The routers are in ``service.api.routes``; who may
+call what is ``service.api.guard``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import threading
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DBAPIError
+
+from ..spec import field_path
+from .dashboard import mount_dashboard
+from .routes import jobs, metrics, streams, system
+from .settings import Settings
+from .store import JobStore
+
+DEFAULT_BODY_BYTES = 64 << 10  # routes that take more say so (metric posts)
+
+
+async def _start_runner(app: FastAPI) -> None:
+    """Attach to RAY_ADDRESS, or to the local head the service keeps (started if none
+    answers: a separate process, so a restarted service re-attaches)."""
+    settings = app.state.settings
+    address = settings.ray_address
+    if address is None and settings.local_ray:
+        from ..local_ray import LocalRayHead
+
+        head, reattached = await asyncio.to_thread(
+            LocalRayHead.attach_or_start, settings.storage, settings.local_cpus)
+        print(f"{'re-attached to' if reattached else 'started'} the local Ray head at "
+              f"{head.address} (dashboard {head.dashboard})", flush=True)
+        address = head.dashboard
+    if address:
+        from .runner import RayJobRunner
+
+        app.state.runner = RayJobRunner(
+            app.state.store, address, storage=settings.storage,
+            data_root=settings.data_dir(), service_url=settings.service_url,
+            max_running=settings.max_running)
+        app.state.runner.start()
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI):
+    if app.state.settings.token() is None:
+        print("warning: DMUON_API_TOKEN is unset: no authentication; the service answers "
+              "only to loopback Host names (DMUON_ALLOWED_HOSTS adds others)",
+              file=sys.stderr, flush=True)
+    await _start_runner(app)
+    yield
+    if app.state.runner is not None:
+        app.state.runner.close()
+    app.state.store.close()
+
+
+async def _invalid(request: Request, exc: RequestValidationError):
+    """422 with one entry per field, by the path the user wrote (``spec.optimizer.lr``);
+    never the offending input, which may not be JSON (NaN)."""
+    detail = [{"field": field_path(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])
+               or "body",
+               "message": e["msg"]} for e in exc.errors()]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
+async def _store_failed(request: Request, exc: DBAPIError):
+    return JSONResponse({"detail": f"the job store failed: {type(exc.orig).__name__}: "
+                                   f"{str(exc.orig).splitlines()[0] if exc.orig else exc}"},
+                        status_code=503, headers={"Retry-After": "5"})
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(title="DMuon control plane", version=system.VERSION, lifespan=_lifespan,
+                  max_body_size=DEFAULT_BODY_BYTES)
+    app.state.settings, app.state.runner = settings, None
+    app.state.store = JobStore(settings.store_url())
+    app.state.plans = threading.BoundedSemaphore(settings.max_concurrent_plans)
+    app.state.prometheus = system.registry_for(app.state.store)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(DBAPIError, _store_failed)
+    for router in (system.public, system.reads, jobs.admin, jobs.reads, metrics.job_posts,
+                   metrics.reads, streams.reads, streams.admin):
+        app.include_router(router)
+    mount_dashboard(app)
+    return app

@@ -1,0 +1,107 @@
+"""Per-rank step records: their schema, and the one way into the store.
+
+A job posts each step's records (the fast channel) and appends them to
+``<storage>/<job>/metrics.jsonl`` first (the durable one); both go through ``ingest``.
+Non-finite numbers (a diverging job's ``loss: NaN``) are kept as ``null`` with their
+names under ``nonfinite``, so every stored record is valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..spec import field_path, text
+from .store import JobStore
+
+MAX_RECORDS = 1000  # per request
+MAX_STEP = 1 << 40
+Count = Annotated[int, Field(ge=0, le=1 << 62)]
+Number = float | None
+
+
+class StepRecord(BaseModel):
+    """One rank's figures for one step, as ``service.train`` reports them."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=True)
+
+    job_id: text(64, 1)
+    step: int = Field(ge=0, le=MAX_STEP)
+    rank: int = Field(ge=0, le=1 << 20)
+    loss: Number = None
+    val_loss: Number = None
+    step_time_s: Number = None
+    tokens_per_s: Number = None
+    bytes: dict[text(64), Count | float] = Field(default_factory=dict, max_length=64)
+    memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)
+    rss_bytes: Count | None = None
+    time: Number = None
+    coord: tuple[Count, Count] | None = Field(None, strict=False)
+    resumed_from: Count | None = None
+    node_id: text(128) | None = None
+    node_ip: text(64) | None = None
+
+    def canonical(self) -> str:
+        """Sorted-key JSON with non-finite numbers as null (named under ``nonfinite``):
+        equal records give equal text, which is how the spool recognises its own."""
+        data = self.model_dump()
+        bad = [k for k, v in data.items() if _nonfinite(v)]
+        bad += [f"bytes.{k}" for k, v in data["bytes"].items() if _nonfinite(v)]
+        for name in bad:
+            group, _, key = name.rpartition(".")
+            (data[group] if group else data)[key] = None
+        if bad:
+            data["nonfinite"] = bad
+        return json.dumps(data, sort_keys=True, allow_nan=False)
+
+
+def _nonfinite(value) -> bool:
+    return isinstance(value, float) and not math.isfinite(value)
+
+
+Records = Annotated[list[StepRecord], Field(max_length=MAX_RECORDS)]
+
+
+def ingest(store: JobStore, job_id: str, records: list[StepRecord], source: str) -> int:
+    """Into the store: posts never replace a record, the job's spool corrects one."""
+    rows = [(r.step, r.rank, r.canonical()) for r in records]
+    return store.add_metrics(job_id, rows, source, authoritative=source == "spool")
+
+
+def read_spool(store: JobStore, job_id: str, path: str, offset: int) -> tuple[int, list[str]]:
+    """Ingest the complete lines of ``path`` after ``offset``; returns (records stored,
+    problems). A malformed line is reported and skipped; the lines around it are kept,
+    and the offset advances only past what was read whole."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            chunk = fh.read()
+    except FileNotFoundError:
+        return 0, []
+    complete = chunk[:chunk.rfind(b"\n") + 1]  # a line still being written waits
+    records, problems = [], []
+    for number, line in enumerate(complete.splitlines()):
+        if not line.strip():
+            continue
+        try:
+            records.append(StepRecord.model_validate(json.loads(line)))
+        except (ValueError, ValidationError) as e:
+            problems.append(f"{path}: line {number + 1} after byte {offset}: {_reason(e)}")
+    stored = ingest(store, job_id, [r for r in records if r.job_id == job_id], "spool")
+    if complete:
+        store.advance_spool(job_id, offset + len(complete))
+    return stored, problems
+
+
+def _reason(e: Exception) -> str:
+    if isinstance(e, ValidationError):
+        return "; ".join(f"{field_path(x['loc'])}: {x['msg']}" for x in e.errors())
+    return str(e)
+
+
+def spool_path(storage: str, job_id: str) -> str:
+    return os.path.join(storage, job_id, "metrics.jsonl")

@@ -1,0 +1,115 @@
+"""Jobs: submit (planned once, stored with the job), list, read, cancel, partition, and
+a plan without a job."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
+
+from ...planner import PlacementError, plan_document
+from ...spec import JobSpec, SpecError, resolve_data_source, text
+from ..guard import JobId, guarded
+from ..schema import STATES
+
+SPEC_BYTES = 64 << 10  # a spec is a few hundred bytes; this leaves room for comments
+admin = APIRouter(route_class=guarded("admin"), tags=["jobs"])
+reads = APIRouter(route_class=guarded("read"), tags=["jobs"])
+
+
+class JobSubmission(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    spec: JobSpec
+    dry_run: bool = False
+
+
+def _job_or_404(store, job_id: str) -> dict:
+    job = store.job_view(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    return job
+
+
+def _plan(request: Request, spec: JobSpec, field: str) -> dict:
+    """The plan that will run, on the attached cluster's nodes when it fits them now;
+    at most ``max_concurrent_plans`` at a time (each builds a model on the meta device)."""
+    state = request.app.state
+    if not state.plans.acquire(timeout=30):
+        raise HTTPException(429, "too many plans at once; retry", headers={"Retry-After": "2"})
+    try:
+        cluster = state.runner.inventory() if state.runner is not None else None
+        return plan_document(spec, cluster, state.settings.local_cpus)
+    except PlacementError as e:
+        raise HTTPException(422, [{"field": field, "message": str(e)}]) from None
+    finally:
+        state.plans.release()
+
+
+@admin.post("/v1/plan", max_body_size=SPEC_BYTES)
+def plan(spec: JobSpec, request: Request):
+    """The layout and per-rank predictions for a spec, without a job."""
+    return JSONResponse(_plan(request, spec, "layout"))
+
+
+@admin.post("/v1/jobs", status_code=201, max_body_size=SPEC_BYTES)
+def submit(body: JobSubmission, request: Request, response: Response,
+           idempotency_key: Annotated[text(256) | None, Header()] = None):
+    """A new job (201), or with a repeated ``Idempotency-Key`` the job that key made
+    (200); 409 if that key came with another request."""
+    state = request.app.state
+    if not body.dry_run:
+        try:
+            resolve_data_source(body.spec, state.settings.data_dir())
+        except SpecError as e:
+            raise HTTPException(422, [{"field": "spec.data.source",
+                                       "message": str(e)}]) from None
+    planned = _plan(request, body.spec, "spec.layout")
+    spec = body.spec.model_dump(mode="json")
+    job, created = state.store.create_job(
+        body.spec.name, spec, dry_run=body.dry_run, plan=planned,
+        idempotency_key=idempotency_key, status="SUCCEEDED" if body.dry_run else "PENDING")
+    if (job["spec"], job["dry_run"]) != (spec, body.dry_run):
+        raise HTTPException(409, f"Idempotency-Key {idempotency_key!r} was used for "
+                                 f"another request (job {job['id']})")
+    response.status_code = 201 if created else 200
+    job.pop("plan")
+    return job
+
+
+@admin.post("/v1/jobs/{job_id}/cancel")
+def cancel(job_id: JobId, request: Request):
+    """A queued or running job becomes STOPPED (an ended job stays as it was)."""
+    state = request.app.state
+    job, on_ray = state.store.cancel(job_id)
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    if on_ray and state.runner is not None:
+        state.runner.stop_quietly(job_id)  # the runner retries until Ray agrees
+    job.pop("plan")
+    return job
+
+
+@reads.get("/v1/jobs")
+def jobs(request: Request, status: Literal[STATES] | None = None,
+         limit: int = Query(100, ge=1, le=10_000)):
+    return JSONResponse(request.app.state.store.list_jobs(status, limit))
+
+
+@reads.get("/v1/jobs/{job_id}")
+async def job(job_id: JobId, request: Request):
+    """A job with its status history. Two indexed reads, run on the event loop: the
+    thread pool's hand-off would cost more than the reads (dashboards poll this)."""
+    return JSONResponse(_job_or_404(request.app.state.store, job_id))
+
+
+@reads.get("/v1/jobs/{job_id}/partition")
+def partition(job_id: JobId, request: Request):
+    """The stored plan: owner per parameter, per-rank predictions, layout, inventory."""
+    found = request.app.state.store.get_job(job_id)
+    if found is None:
+        raise HTTPException(404, f"no job {job_id!r}")
+    planned = found["plan"]
+    return JSONResponse({"layout": planned["layout"], "inventory": planned.get("inventory"),
+                         "ranks": planned["ranks"], **planned["partition"]})

@@ -1,0 +1,180 @@
+"""Moves queued jobs onto Ray through its job API and keeps their status in sync.
+
+A job's id is its Ray submission id. At most ``max_running`` jobs are on Ray at a time
+(counted in the store, so across replicas); the rest wait in the service's queue
+(PENDING). Each tick reconciles every job that Ray holds, then submits while there is
+room; one job's failure is logged and never stops the others.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import shlex
+import sys
+import threading
+import time
+
+from ..planner import NodeInfo, inventory_from_dashboard
+from .guard import token_hash
+from .records import read_spool, spool_path
+from .schema import CLAIMED, TERMINAL
+from .store import JobStore
+
+INVENTORY_TTL_S = 10.0
+CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
+ENTRYPOINT = (sys.executable, "-m", "service.entrypoint")
+FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+
+
+def _log(message: str) -> None:
+    print(f"runner: {message}", file=sys.stderr, flush=True)
+
+
+def _missing(error: Exception) -> bool:
+    """Ray's job API answers 404 for a submission id it does not know."""
+    return isinstance(error, RuntimeError) and "status code 404" in str(error)
+
+
+class RayJobRunner:
+    def __init__(self, store: JobStore, ray_address: str, *, storage: str, data_root: str,
+                 service_url: str, max_running: int = 1, interval_s: float = 0.5):
+        from ray.job_submission import JobSubmissionClient
+
+        self.store, self.storage, self.data_root = store, storage, data_root
+        self.service_url, self.max_running, self.interval_s = service_url, max_running, interval_s
+        self.client, self.ray_address = JobSubmissionClient(ray_address), ray_address
+        self._inventory: tuple[float, list[NodeInfo]] = (-math.inf, [])
+        self._inventory_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="dmuon-runner", daemon=True)
+
+    def inventory(self) -> list[NodeInfo]:
+        """The cluster's alive nodes, read at most every INVENTORY_TTL_S (submissions come
+        in bursts); [] while the cluster cannot be read."""
+        with self._inventory_lock:
+            read_at, nodes = self._inventory
+            if time.monotonic() - read_at > INVENTORY_TTL_S:
+                try:
+                    nodes = inventory_from_dashboard(self.ray_address)
+                    # none yet (a new head registers its node within a second): ask again
+                    read_at = time.monotonic() if nodes else -math.inf
+                except Exception as e:  # noqa: BLE001 - Ray raises several kinds
+                    _log(f"cannot read the cluster's nodes: {e}")
+                    nodes, read_at = [], time.monotonic()
+                self._inventory = (read_at, nodes)
+            return nodes
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sync()
+
+    def _guarded(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - one job's trouble must not stop the queue
+            _log(f"{what}: {type(e).__name__}: {e}")
+            return None
+
+    def sync(self) -> None:
+        """Reconcile every job Ray holds, then start queued ones while there is room."""
+        for job in self.store.on_ray():
+            self._guarded(f"reconciling {job['id']}", self.reconcile, job)
+        while self._guarded("submitting", self.submit_next):
+            pass
+
+    def reconcile(self, job: dict) -> None:
+        """Bring the store in line with what Ray says about one job."""
+        job_id = job["id"]
+        try:
+            info = self.client.get_job_info(job_id)
+        except RuntimeError as e:
+            if not _missing(e):
+                raise
+            self._unknown_to_ray(job)
+            return
+        if job["ray"] == CLAIMED and not self.store.mark_submitted(job_id):
+            self.stop_quietly(job_id)  # its submitter died after Ray had it; cancelled since
+        self.ingest_spool(job_id, job["spool_offset"])
+        status = str(info.status.value)
+        if status in TERMINAL:
+            self.store.settle(job_id, status, info.message)
+        elif job["status"] in TERMINAL:
+            self.client.stop_job(job_id)  # cancelled in the store, still on Ray: again
+
+    def _unknown_to_ray(self, job: dict) -> None:
+        if job["ray"] != CLAIMED:
+            self.store.settle(job["id"], "FAILED", "Ray has no record of this job (the "
+                                                   "cluster was replaced or restarted)")
+        elif time.time() - (job["claimed_at"] or 0) > CLAIM_TIMEOUT_S:
+            self.store.release_claim(job["id"])  # its submitter died before Ray had it
+
+    def submit_next(self) -> bool:
+        """Claim the oldest queued job if there is room, and hand it to Ray; False when
+        nothing was claimed."""
+        token = secrets.token_urlsafe(32)
+        job = self.store.claim_next(self.max_running, token_hash(token))
+        if job is None:
+            return False
+        try:
+            self.client.submit_job(entrypoint=self.command(job, token),
+                                   submission_id=job["id"],
+                                   runtime_env={"env_vars": {k: os.environ[k] for k in
+                                                             FORWARDED_ENV if k in os.environ}})
+        except RuntimeError as e:
+            if "already exists" not in str(e):
+                self.store.release_claim(job["id"])
+                raise
+            _log(f"{job['id']} was already on Ray (its submitter stopped before recording it)")
+        if not self.store.mark_submitted(job["id"]):
+            self.stop_quietly(job["id"])  # cancelled while we submitted it
+        return True
+
+    def command(self, job: dict, token: str) -> str:
+        """The entrypoint's command line (Ray runs it through a shell: every part quoted).
+        The job gets the stored spec and plan, and its own token in a private file."""
+        job_dir = os.path.join(self.storage, job["id"])
+        os.makedirs(job_dir, exist_ok=True)
+        files = {"spec.json": job["spec"], "plan.json": job["plan"]}
+        for name, data in files.items():
+            with open(os.path.join(job_dir, name), "w") as fh:
+                json.dump(data, fh)
+        token_file = os.path.join(job_dir, "job_token")
+        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        return shlex.join([
+            *ENTRYPOINT, "--spec", os.path.join(job_dir, "spec.json"),
+            "--plan", os.path.join(job_dir, "plan.json"), "--storage", self.storage,
+            "--data-root", self.data_root, "--job-id", job["id"],
+            "--metrics-url", f"{self.service_url}/v1/jobs/{job['id']}/metrics",
+            "--token-file", token_file])
+
+    def ingest_spool(self, job_id: str, offset: int) -> int:
+        """Records the job spooled that are not stored yet (posts can be lost while the
+        service is down); malformed lines are reported and skipped."""
+        stored, problems = read_spool(self.store, job_id, spool_path(self.storage, job_id),
+                                      offset)
+        for problem in problems:
+            _log(f"skipped a spool line: {problem}")
+        return stored
+
+    def stop_quietly(self, job_id: str) -> None:
+        """Ask Ray to stop a job; the next reconcile asks again if this fails."""
+        self._guarded(f"stopping {job_id}", self.client.stop_job, job_id)
+
+    def logs(self, job_id: str) -> str:
+        return self.client.get_job_logs(job_id)
+
+    async def tail(self, job_id: str):
+        async for chunk in self.client.tail_job_logs(job_id):
+            yield chunk
