@@ -65,12 +65,20 @@ class DedicationPlan:
     def total_elements(self) -> int:
         return sum(a.numel for a in self.params.values())
 
+    @staticmethod
+    def _max_over_mean(per_rank: list[int]) -> float:
+        mean = sum(per_rank) / len(per_rank)
+        return max(per_rank) / mean if mean else 1.0
+
     @property
     def imbalance(self) -> float:
         """Largest rank's elements over the mean (1.0 is perfect balance)."""
-        per_rank = self.elements_per_rank
-        mean = sum(per_rank) / len(per_rank)
-        return max(per_rank) / mean if mean else 1.0
+        return self._max_over_mean(self.elements_per_rank)
+
+    @property
+    def ns_imbalance(self) -> float:
+        """Largest rank's NS FLOPs over the mean."""
+        return self._max_over_mean(self.ns_flops_per_rank)
 
     @property
     def boundaries(self) -> dict[str, list[str]]:
@@ -98,6 +106,7 @@ class DedicationPlan:
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
             "imbalance": self.imbalance,
+            "ns_imbalance": self.ns_imbalance,
             "elements_per_rank": self.elements_per_rank,
             "ns_flops_per_rank": self.ns_flops_per_rank,
             "params": {
@@ -127,7 +136,8 @@ class DedicationPlan:
                 f"{rank:>4} {coord:>7} {counts[rank]:>8} {per_rank[rank]:>14,} "
                 f"{flops[rank] / 1e9:>10.2f}"
             )
-        lines.append(f"imbalance (max/mean elements): {self.imbalance:.4f}")
+        lines.append(f"imbalance (max/mean): elements {self.imbalance:.4f}, "
+                     f"NS FLOPs {self.ns_imbalance:.4f}")
         return "\n".join(lines)
 
 
@@ -177,27 +187,35 @@ def resolve_boundary(model: nn.Module, fqn: str, hook_boundary_predicate, strict
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def lpt_assign(
-    items: list[tuple[str, int, str]], slots: int
-) -> dict[str, int]:
-    """Global longest-processing-time assignment of (name, cost, boundary) to slots.
-
-    Largest first, each to the least-loaded slot; params of a boundary that fits on
-    ``slots`` owners never share one, so a boundary's broadcasts run concurrently.
-    """
-    per_boundary = Counter(b for _, _, b in items)
-    order = sorted(range(len(items)), key=lambda i: (-items[i][1], i))
-    load = [0] * slots
+def lpt_assign(items: list[tuple[str, int, int, str]], slots: int) -> dict[str, int]:
+    """Global longest-processing-time assignment of (name, NS FLOPs, elements, boundary)
+    to slots, on both costs at once: NS FLOPs are the owner's compute, elements its
+    memory and traffic. Largest first (by the two shares of the mean, summed), each item
+    to the slot where the larger of its two loads relative to the mean grows least.
+    Params of a boundary that fits on ``slots`` owners never share one, so a boundary's
+    segments come from distinct owners."""
+    per_boundary = Counter(b for *_, b in items)
+    mean_f = max(sum(i[1] for i in items) / slots, 1)
+    mean_e = max(sum(i[2] for i in items) / slots, 1)
+    order = sorted(range(len(items)),
+                   key=lambda i: (-(items[i][1] / mean_f + items[i][2] / mean_e), i))
+    flops, elements = [0] * slots, [0] * slots
     used: dict[str, set[int]] = defaultdict(set)
     owner: dict[str, int] = {}
     for i in order:
-        name, cost, boundary = items[i]
+        name, f, e, boundary = items[i]
         candidates = range(slots)
         if per_boundary[boundary] <= slots:
             candidates = [s for s in candidates if s not in used[boundary]]
-        slot = min(candidates, key=lambda s: (load[s], s))
+
+        def grown(s):
+            a, b = (flops[s] + f) / mean_f, (elements[s] + e) / mean_e
+            return max(a, b), a + b, s
+
+        slot = min(candidates, key=grown)
         owner[name] = slot
-        load[slot] += cost
+        flops[slot] += f
+        elements[slot] += e
         used[boundary].add(slot)
     return owner
 
@@ -229,14 +247,15 @@ def plan_from_shapes(
         else:
             units.append((fqn, tuple(shape), boundary, fqn, None))
     numels = {u[0]: _numel(u[1]) for u in units}
-    owners = lpt_assign([(u[0], numels[u[0]], u[2]) for u in units], slots)
+    flops = {u[0]: ns_flops(u[1], ns_steps) for u in units}
+    owners = lpt_assign([(u[0], flops[u[0]], numels[u[0]], u[2]) for u in units], slots)
     plan = DedicationPlan(shard_size, replicate_size)
     for unit, shape, boundary, fqn, experts in units:
         slot = owners[unit]
         plan.params[unit] = Assignment(
             fqn=unit, shape=tuple(shape), boundary=boundary, owner=slot,
             owner_coord=(slot // shard_size, slot % shard_size), numel=numels[unit],
-            ns_flops=ns_flops(shape, ns_steps), param=fqn, experts=experts,
+            ns_flops=flops[unit], param=fqn, experts=experts,
         )
     return plan
 
