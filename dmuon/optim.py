@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -26,14 +25,16 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def muon_update(p, grad, buf, orthogonalise, *, lr, weight_decay, momentum, nesterov,
-                adjust_lr_fn, full_shape) -> None:
-    """The update rule of torch.optim.Muon on one matrix (or its TP shard), in place."""
-    buf.lerp_(grad, 1 - momentum)
-    update = grad.lerp(buf, momentum) if nesterov else buf
-    ortho = orthogonalise(update)
-    p.mul_(1 - lr * weight_decay)
-    p.add_(ortho, alpha=-adjusted_lr(lr, adjust_lr_fn, full_shape))
+def _momentum_update(p, buf, group) -> torch.Tensor:
+    """torch.optim.Muon's momentum, in place, and the matrix it orthogonalises."""
+    buf.lerp_(p.grad, 1 - group["momentum"])
+    return p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+
+
+def _apply(p, ortho, group, full_shape) -> None:
+    """torch.optim.Muon's weight decay and step, with its per-matrix lr scaling."""
+    p.mul_(1 - group["lr"] * group["weight_decay"])
+    p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
 
 
 def _user_groups(params) -> tuple[list[dict], DMuonState]:
@@ -154,27 +155,31 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, group) -> None:
+        """Momentum per matrix, then NS once per shape: this rank's same-shape matrices
+        (and slices of experts) go through one batched chain. TP shards orthogonalise
+        with their peers, one matrix at a time."""
         ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
                   coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
                   eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
+        buckets: dict[tuple, list] = {}
         for p in group["params"]:
             if p.grad is None:
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p)
+            update = _momentum_update(p, state["momentum_buffer"], group)
             tp = self._member_of[id(p)].tp
-            if tp is None:
-                orthogonalise = functools.partial(newton_schulz, **ns)
-            else:  # TP peers orthogonalise the matrix together; Gram is what makes it cheap
-                orthogonalise = functools.partial(tp_newton_schulz, shard=tp,
-                                                  ledger=self._state.ledger, **ns)
-            muon_update(
-                p, p.grad, state["momentum_buffer"], orthogonalise, lr=group["lr"],
-                weight_decay=group["weight_decay"], momentum=group["momentum"],
-                nesterov=group["nesterov"], adjust_lr_fn=group["adjust_lr_fn"],
-                full_shape=tp.full_shape if tp else p.shape,
-            )
+            if tp is not None:
+                ortho = tp_newton_schulz(update, shard=tp, ledger=self._state.ledger, **ns)
+                _apply(p, ortho, group, tp.full_shape)
+            else:
+                buckets.setdefault((tuple(p.shape[-2:]), p.dtype), []).append((p, update))
+        for (shape, _), entries in buckets.items():
+            ortho = newton_schulz(torch.cat([u.reshape(-1, *shape) for _, u in entries]), **ns)
+            for (p, _), part in zip(entries, ortho.split([u.numel() // (shape[0] * shape[1])
+                                                        for _, u in entries])):
+                _apply(p, part.view_as(p), group, p.shape)
 
 
 def _group_kind(index: int, params) -> str:

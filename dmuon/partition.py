@@ -208,7 +208,7 @@ def lpt_assign(items: list[tuple[str, int, int, str]], slots: int) -> dict[str, 
         if per_boundary[boundary] <= slots:
             candidates = [s for s in candidates if s not in used[boundary]]
 
-        def grown(s):
+        def grown(s, f=f, e=e):
             a, b = (flops[s] + f) / mean_f, (elements[s] + e) / mean_e
             return max(a, b), a + b, s
 

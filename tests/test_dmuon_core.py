@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -41,8 +42,9 @@ def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
             loss = torch.nn.functional.cross_entropy(
                 logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
             loss.backward()
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False) as counter, _ns_calls() as chains:
                 opt.step()
+            out["chains"] = chains
             sched.step()
             opt.zero_grad()
             out["flops"].append(counter.get_total_flops())
@@ -56,6 +58,24 @@ def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
     out["owned"] = sorted(state.owned_params)
     out["full"] = dmuon.full_state_dict(model)
     return out
+
+
+@contextlib.contextmanager
+def _ns_calls():
+    """The shape of every NS chain dmuon.Muon runs (its batch, rows, cols)."""
+    import dmuon.optim
+
+    calls, real = [], dmuon.optim.newton_schulz
+
+    def recording(G, *args, **kwargs):
+        calls.append(tuple(G.shape))
+        return real(G, *args, **kwargs)
+
+    dmuon.optim.newton_schulz = recording
+    try:
+        yield calls
+    finally:
+        dmuon.optim.newton_schulz = real
 
 
 @functools.cache
@@ -133,6 +153,14 @@ def _fsdp_all_gather_sizes():
     layer = 2 * pad(cfg.dim, cfg.dim)  # two RMSNorm weights
     root = 2 * pad(cfg.vocab_size * cfg.dim, cfg.vocab_size) + pad(cfg.dim, cfg.dim)
     return {layer, root}
+
+
+def test_same_shape_matrices_share_one_batched_chain():
+    shapes = _muon_shapes()
+    for res in dist_run("z2", None):
+        owned = [shapes[f] for f in res["owned"]]
+        expected = sorted((owned.count(s), *s) for s in set(owned))
+        assert sorted(res["chains"]) == expected  # one chain per shape, batched
 
 
 def test_newton_schulz_runs_once_per_matrix_per_step():
