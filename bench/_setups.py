@@ -1,0 +1,124 @@
+"""The training set-ups the benchmarks compare, built the same way for each benchmark:
+FSDP2 + AdamW, naive FSDP2 + Muon (every rank all-gathers each update and runs NS on
+it), and DMuon in Z2, Z3 (with and without prefetch) and HSDP 2x2."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+
+import dmuon
+import dmuon.optim
+from dmuon.optim import adjusted_lr
+from service.models import build_model, get_config, muon_predicate
+
+NS_DTYPE = torch.float32  # bf16 matmuls are emulated (3x to 58x slower) on these CPUs
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    optimizer: str  # "adamw", "naive" or "dmuon"
+    z3: bool = True
+    hsdp: bool = False
+    prefetch: int = 1
+    replicate_async: bool = True
+
+
+SETUPS = {s.name: s for s in (
+    Setup("fsdp2_adamw", "adamw"),
+    Setup("naive_fsdp2_muon", "naive"),
+    Setup("dmuon_z2", "dmuon", z3=False),
+    Setup("dmuon_z3", "dmuon"),
+    Setup("dmuon_z3_no_prefetch", "dmuon", prefetch=0),
+    Setup("dmuon_z3_hsdp2x2_sync", "dmuon", hsdp=True, replicate_async=False),
+    Setup("dmuon_z3_hsdp2x2_async", "dmuon", hsdp=True),
+)}
+
+
+class NSClock:
+    """Seconds spent in Newton-Schulz on this rank (DMuon's and the naive baseline's)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def ns(self, G, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = _NS(G, *args, **kwargs)
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    @contextlib.contextmanager
+    def installed(self):
+        dmuon.optim.newton_schulz = self.ns
+        try:
+            yield self
+        finally:
+            dmuon.optim.newton_schulz = _NS
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+_NS = dmuon.optim.newton_schulz
+
+
+class NaiveFSDPMuon(torch.optim.Optimizer):
+    """The baseline DMuon replaces: every rank all-gathers each full Muon update and runs
+    NS on it, then keeps its own rows. AdamW for the rest."""
+
+    def __init__(self, model, clock: NSClock, lr=0.02, momentum=0.95, adamw_lr=3e-3):
+        muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
+        rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
+        super().__init__([dict(params=muon, lr=lr)], dict(momentum=momentum))
+        self.adamw = torch.optim.AdamW(rest, lr=adamw_lr, betas=(0.9, 0.95))
+        self.clock = clock
+
+    @torch.no_grad()
+    def step(self):
+        from torch.distributed.tensor import DTensor
+
+        group = self.param_groups[0]
+        for p in group["params"]:
+            g = p.grad.to_local()
+            buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(g))
+            buf.lerp_(g, 1 - group["momentum"])
+            local_update = g.lerp(buf, group["momentum"])
+            full = DTensor.from_local(local_update, p.device_mesh, p.placements,
+                                      shape=p.shape, stride=p.stride()).full_tensor()
+            ortho = self.clock.ns(full, dtype=NS_DTYPE)
+            rows = p.to_local().shape[0]
+            start = p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size())
+            p.to_local().add_(ortho[start:start + rows],
+                              alpha=-adjusted_lr(group["lr"], None, p.shape))
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none=True):
+        super().zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+
+def build(setup: Setup, world: int, model_name: str, clock: NSClock):
+    """The model with FSDP2 (and DMuon) applied, and its optimizer."""
+    mesh = init_device_mesh("cpu", (2, world // 2) if setup.hsdp else (1, world),
+                            mesh_dim_names=("replicate", "shard"))
+    fsdp_mesh = mesh if setup.hsdp else mesh["shard"]
+    model = build_model(get_config(model_name), seed=0)
+    if setup.optimizer == "dmuon":
+        dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+                              replicate_mesh=mesh["replicate"] if setup.hsdp else None,
+                              reshard_after_forward=setup.z3, prefetch=setup.prefetch)
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=setup.z3)
+    dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=setup.z3)
+    if setup.optimizer == "adamw":
+        return model, torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    if setup.optimizer == "naive":
+        return model, NaiveFSDPMuon(model, clock)
+    return model, dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=NS_DTYPE,
+                             replicate_async=setup.replicate_async)

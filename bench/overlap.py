@@ -1,0 +1,170 @@
+"""Overlap on a slow link: 4 gloo ranks in a network namespace of their own whose
+loopback is throttled with a token bucket (``tc qdisc ... tbf``; netem is not available
+on these machines, tbf is, and a 200 Mbit/s bucket measured 201 Mbit/s). One run
+compares FSDP2 + AdamW, naive FSDP2 + Muon, DMuon-Z2, DMuon-Z3 with prefetch on and off,
+and HSDP 2x2 with the replicate all-gather async and sync.
+
+Per set-up (medians over steps, slowest rank): the step time, the time the ranks sat
+waiting for parameter all-gathers ("exposed gather": what prefetch exists to hide) and
+for the replicate all-gather. Needs root and iproute2; everything it makes (one
+namespace) it removes. Prints a table and writes bench/results/overlap.json.
+
+    python -m bench.overlap [--rate 2gbit] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+SETUPS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3", "dmuon_z3_no_prefetch",
+          "dmuon_z3_hsdp2x2_async", "dmuon_z3_hsdp2x2_sync")
+
+
+class Waits:
+    """Seconds this rank blocks in DMuon's all-gather waits, by kind (bench-side timing
+    of the two methods, so production code carries no clock)."""
+
+    def __init__(self):
+        from dmuon.buffers import Boundary
+
+        self.seconds = {"gather": 0.0, "replicate": 0.0}
+        for kind, name in (("gather", "wait_gather"), ("replicate", "wait_replicate")):
+            setattr(Boundary, name, self._timed(kind, getattr(Boundary, name)))
+
+    def _timed(self, kind, method):
+        def timed(boundary, *args):
+            t0 = time.perf_counter()
+            out = method(boundary, *args)
+            self.seconds[kind] += time.perf_counter() - t0
+            return out
+        return timed
+
+    def take(self) -> dict:
+        out, self.seconds = self.seconds, dict.fromkeys(self.seconds, 0.0)
+        return out
+
+
+def _worker(rank, world, name, steps, warmup, batch, seq):
+    import torch.distributed as dist
+
+    from bench._setups import SETUPS as ALL
+    from bench._setups import NSClock, build
+    from service.data import batch_at, load_corpus
+    from service.models import causal_lm_loss
+
+    waits, clock = Waits(), NSClock()
+    with clock.installed():
+        model, opt = build(ALL[name], world, "small", clock)
+        corpus = load_corpus("train", max_bytes=1_000_000)
+        rows = []
+        for step in range(warmup + steps):
+            tokens = batch_at(corpus, step, batch * world, seq)[rank * batch:(rank + 1) * batch]
+            dist.barrier()
+            t0 = time.perf_counter()
+            causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+            elapsed, wait, ns = time.perf_counter() - t0, waits.take(), clock.take()
+            if step >= warmup:
+                rows.append({"step_s": elapsed, "gather_wait_s": wait["gather"],
+                             "replicate_wait_s": wait["replicate"], "ns_s": ns})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def inside(args) -> dict:
+    """The measurements, run inside the throttled namespace."""
+    from service.local import run
+
+    results = {}
+    for name in SETUPS:
+        per_rank = run(_worker, name, args.steps, args.warmup, args.batch, args.seq,
+                       world_size=4)
+        results[name] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
+        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
+    return results
+
+
+def _sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=30)
+
+
+def throttled(args) -> dict:
+    """Make the namespace, throttle its loopback, run ``inside`` there, remove it."""
+    ns = f"dmo{os.getpid() % 100000}"
+    _sh("ip", "netns", "add", ns)
+    try:
+        _sh("ip", "-n", ns, "link", "set", "lo", "up")
+        _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", "lo", "root", "tbf",
+            "rate", args.rate, "burst", "256kb", "latency", "200ms")
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap",
+                   "--inside", out.name, "--steps", str(args.steps), "--warmup",
+                   str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+            subprocess.run(cmd, check=True, timeout=3600,
+                           env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+            return json.loads(pathlib.Path(out.name).read_text())
+    finally:
+        _sh("ip", "netns", "del", ns)
+
+
+def report(args, r: dict) -> dict:
+    base = r["fsdp2_adamw"]["step_s"]
+    on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
+    sync, asyn = r["dmuon_z3_hsdp2x2_sync"], r["dmuon_z3_hsdp2x2_async"]
+    print(f"\nloopback throttled to {args.rate} (tbf), 4 ranks, model 'small', "
+          f"{args.batch} x {args.seq} tokens per rank, medians of {args.steps} steps")
+    print("| set-up | step (ms) | / FSDP2+AdamW | exposed gather wait (ms) |"
+          " replicate wait (ms) | NS (ms) |\n|---|---:|---:|---:|---:|---:|")
+    for name, row in r.items():
+        print(f"| {name} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / base:.3f} |"
+              f" {row['gather_wait_s'] * 1e3:.0f} | {row['replicate_wait_s'] * 1e3:.0f} |"
+              f" {row['ns_s'] * 1e3:.0f} |")
+    summary = {
+        "prefetch_saving": 1 - on["step_s"] / off["step_s"],
+        "exposed_gather_removed_s": off["gather_wait_s"] - on["gather_wait_s"],
+        "z3_over_fsdp2_adamw": on["step_s"] / base,
+        "z2_over_fsdp2_adamw": r["dmuon_z2"]["step_s"] / base,
+        "async_gain_s": sync["step_s"] - asyn["step_s"],
+        "replicate_wait_sync_s": sync["replicate_wait_s"],
+    }
+    print(f"\nprefetch: {summary['prefetch_saving']:.1%} less time per step (target >= 20%),"
+          f" exposed gather wait {off['gather_wait_s'] * 1e3:.0f} -> "
+          f"{on['gather_wait_s'] * 1e3:.0f} ms")
+    print(f"DMuon-Z3 / FSDP2+AdamW: {summary['z3_over_fsdp2_adamw']:.3f} (target <= 0.95); "
+          f"Z2: {summary['z2_over_fsdp2_adamw']:.3f}")
+    print(f"HSDP async gains {summary['async_gain_s'] * 1e3:.0f} ms per step; the sync "
+          f"replicate all-gather waits {summary['replicate_wait_sync_s'] * 1e3:.0f} ms "
+          "(target: gain >= half of it)")
+    return summary
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rate", default="2gbit", help="tbf rate of the namespace's loopback")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--inside", help=argparse.SUPPRESS)  # the namespace's side
+    args = ap.parse_args(argv)
+    if args.inside:
+        pathlib.Path(args.inside).write_text(json.dumps(inside(args)))
+        return
+    results = throttled(args)
+    summary = report(args, results)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "overlap.json").write_text(json.dumps(
+        {"args": vars(args), "results": results, "summary": summary}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
