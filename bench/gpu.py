@@ -59,7 +59,7 @@ def ns_timings() -> list[dict]:
             row = {"model": model, "shape": list(shape)}
             for backend, dtype in VARIANTS:
                 row[f"{backend}_{str(dtype)[6:]}"] = _cuda_ms(
-                    lambda b=backend, d=dtype: dmuon.newton_schulz(G, backend=b, dtype=d))
+                    lambda G=G, b=backend, d=dtype: dmuon.newton_schulz(G, backend=b, dtype=d))
             rows.append(row)
     return rows
 
