@@ -35,6 +35,7 @@ class RankContext:
     shard_rank: int
     shard_size: int
     replicate_group: object
+    presence_group: object  # the replicate dim again, free of queued reduces at the step
     replicate_rank: int
     replicate_size: int
     ledger: comm.Ledger
@@ -74,10 +75,11 @@ def _rank_context(mesh, replicate_mesh, reduce_dtype) -> RankContext:
     device = _mesh_device(mesh)
     shard_group, reduce_group = _groups_like(mesh.get_group(), 2)
     r = replicate_mesh
-    replicate_group = _groups_like(r.get_group(), 1)[0] if r is not None else None
+    replicate_group, presence_group = _groups_like(r.get_group(), 2) if r is not None \
+        else (None, None)
     return RankContext(
         device, shard_group, reduce_group, mesh.get_local_rank(), mesh.size(),
-        replicate_group, r.get_local_rank() if r is not None else 0,
+        replicate_group, presence_group, r.get_local_rank() if r is not None else 0,
         r.size() if r is not None else 1, comm.Ledger(), comm.Streams(device), reduce_dtype,
     )
 
@@ -179,9 +181,20 @@ class DMuonState:
             b.set_param_dtype(policy.param_dtype or b.master_dtype)
 
     def finish_gradient_sync(self) -> None:
-        """Every gradient reduced and landed on its owner (optimizer step, clipping)."""
+        """Every gradient reduced and landed on its owner (clipping)."""
         self.end_backward()
         self.reduce.finish(self.boundaries)
+
+    def landing_order(self):
+        """The boundaries as their gradients land (the reduces' fixed order), each one
+        landed before it is yielded, so the owner can work on it while later ones are
+        still on the wire."""
+        self.end_backward()
+        self.reduce.prepare_step()
+        for b in reversed(self.boundaries):
+            self.reduce.land(b)
+            yield b
+        self.reduce.close_step()
 
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:

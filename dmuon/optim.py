@@ -138,48 +138,81 @@ class Muon(torch.optim.Optimizer):
     def ledger(self):
         return self._state.ledger
 
+    def _schedule(self) -> dict[int, list]:
+        """For each boundary, the Muon params it lands and the NS batches it completes:
+        a batch (a group's same-shape matrices) runs once its last boundary has landed,
+        while the reduces of later boundaries are still on the wire."""
+        boundary_of = {id(b.masters[m.fqn]): b for b in self._state.boundaries for m in b.owned}
+        position = {id(b): i for i, b in enumerate(reversed(self._state.boundaries))}
+        plan: dict[int, dict] = {id(b): {"params": [], "batches": []}
+                                 for b in self._state.boundaries}
+        last: dict[tuple, int] = {}
+        for g, group in enumerate(self.param_groups):
+            if group["kind"] != "muon":
+                continue
+            for p in group["params"]:
+                b = boundary_of[id(p)]
+                plan[id(b)]["params"].append((group, p))
+                key = (g, tuple(p.shape[-2:]), p.dtype)
+                if self._member_of[id(p)].tp is None and \
+                        position[id(b)] >= position.get(last.get(key), -1):
+                    last[key] = id(b)
+        for key, b in last.items():
+            plan[b]["batches"].append(key)
+        return plan
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._state.finish_gradient_sync()
-        for group in self.param_groups:
-            if group["kind"] == "muon":
-                self._muon_step(group)
+        schedule, pending = self._schedule(), {}
+        for b in self._state.landing_order():
+            for group, p in schedule[id(b)]["params"]:
+                self._momentum_and_tp(group, p, pending)
+            for key in schedule[id(b)]["batches"]:
+                self._orthogonalise(self.param_groups[key[0]], pending.pop(key, []))
         if any(g["params"] for g in self._adamw.param_groups):
             self._adamw.step()
         self._state.after_step(self.replicate_async)
         self._state.ledger.close_step()
         return loss
 
-    def _muon_step(self, group) -> None:
-        """Momentum per matrix, then NS once per shape: this rank's same-shape matrices
-        (and slices of experts) go through one batched chain. TP shards orthogonalise
-        with their peers, one matrix at a time."""
-        ns = dict(steps=group["ns_steps"], backend=group["ns_backend"],
-                  coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                  eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
-        buckets: dict[tuple, list] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p)
-            update = _momentum_update(p, state["momentum_buffer"], group)
-            tp = self._member_of[id(p)].tp
-            if tp is not None:
-                ortho = tp_newton_schulz(update, shard=tp, ledger=self._state.ledger, **ns)
-                _apply(p, ortho, group, tp.full_shape)
-            else:
-                buckets.setdefault((tuple(p.shape[-2:]), p.dtype), []).append((p, update))
-        for (shape, _), entries in buckets.items():
-            ortho = newton_schulz(torch.cat([u.reshape(-1, *shape) for _, u in entries]), **ns)
-            for (p, _), part in zip(entries, ortho.split([u.numel() // (shape[0] * shape[1])
-                                                        for _, u in entries])):
-                _apply(p, part.view_as(p), group, p.shape)
+    @staticmethod
+    def _ns_options(group) -> dict:
+        return dict(steps=group["ns_steps"], backend=group["ns_backend"],
+                    coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
+                    eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
+
+    def _momentum_and_tp(self, group, p, pending: dict) -> None:
+        """Momentum; a TP shard orthogonalises at once with its peers (one matrix at a
+        time), anything else waits in its batch."""
+        if p.grad is None:
+            return
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p)
+        update = _momentum_update(p, state["momentum_buffer"], group)
+        tp = self._member_of[id(p)].tp
+        if tp is not None:
+            ortho = tp_newton_schulz(update, shard=tp, ledger=self._state.ledger,
+                                     **self._ns_options(group))
+            _apply(p, ortho, group, tp.full_shape)
+            return
+        g = next(i for i, x in enumerate(self.param_groups) if x is group)
+        pending.setdefault((g, tuple(p.shape[-2:]), p.dtype), []).append((p, update))
+
+    def _orthogonalise(self, group, entries: list) -> None:
+        """NS once for a batch of same-shape matrices (and slices of experts)."""
+        if not entries:
+            return
+        shape = entries[0][0].shape[-2:]
+        ortho = newton_schulz(torch.cat([u.reshape(-1, *shape) for _, u in entries]),
+                              **self._ns_options(group))
+        sizes = [u.numel() // shape.numel() for _, u in entries]
+        for (p, _), part in zip(entries, ortho.split(sizes)):
+            _apply(p, part.view_as(p), group, p.shape)
 
 
 def _group_kind(index: int, params) -> str:

@@ -45,7 +45,8 @@ class GradientReduce:
         self._in_flight: list[InFlight] = []
         self.backward_open = False  # a backward ran since the last flush
         self._backward_syncs = True  # `sync` as it was when that backward began
-        self._finished = True  # finish() already ran for the gradients present
+        self._finished = True  # no gradient arrived since the last step closed
+        self._presence = self._presence_work = self._present_units = None
 
     def begin_backward(self) -> None:
         self.backward_open = True
@@ -116,41 +117,60 @@ class GradientReduce:
             item.owned = comm.Pending(work, item.column_out, item.owned_out,
                                       on_stream=ctx.streams.cuda)
 
-    def land_all(self) -> None:
-        """Wait for every reduce in flight and add its part into the owners' masters."""
-        self._advance(block=True)
+    # -- at the step -----------------------------------------------------------------
+    def prepare_step(self) -> None:
+        """The backward is over: every reduce issued, and the presence of gradients on
+        its way (on groups no reduce is queued on, so it does not wait for them)."""
+        self.end_backward()
+        if self._finished or self._presence is not None:
+            return
         ctx = self.ctx
-        world = ctx.shard_size * ctx.replicate_size
-        for item in self._in_flight:
+        self._presence = [(self.presence, ctx.shard_group, "shard")]
+        if ctx.replicate_size > 1:
+            self._presence.append((self.presence, ctx.presence_group, "replicate"))
+        tensor, group, dim = self._presence[0]
+        self._presence_work = comm.all_reduce_sum(tensor, group, ctx.ledger, dim, "step")
+
+    def _present(self) -> list:
+        """Which units got a gradient on any rank this step (waited for once)."""
+        if self._present_units is None:
+            comm.wait(self._presence_work)
+            for tensor, group, dim in self._presence[1:]:
+                comm.wait(comm.all_reduce_sum(tensor, group, self.ctx.ledger, dim, "step"))
+            self._present_units = self.presence.tolist()
+        return self._present_units
+
+    def land(self, b: Boundary) -> None:
+        """Wait for ``b``'s reduces, add its owned part into the masters' ``.grad``; a
+        matrix no rank produced a gradient for loses its (zero) gradient."""
+        self.prepare_step()
+        items = [i for i in self._in_flight if i.boundary is b]
+        if not items and self._finished:
+            return
+        if any(i.owned is None and b.column for i in items):
+            self._advance(block=True)
+        world = self.ctx.shard_size * self.ctx.replicate_size
+        for item in items:
             item.column.wait()
-            if ctx.replicate_size == 1:
-                item.boundary.land(item.column_out, world)
+            if self.ctx.replicate_size == 1:
+                b.land(item.column_out, world)
             elif item.owned is not None:
                 item.owned.wait()
-                item.boundary.land(item.owned_out, world)
-        self._in_flight.clear()
+                b.land(item.owned_out, world)
+            self._in_flight.remove(item)
+        present = self._present()
+        for m in b.owned:
+            if not present[m.index]:
+                b.masters[m.fqn].grad = None
 
-    # -- at the step -----------------------------------------------------------------
     def finish(self, boundaries: list[Boundary]) -> None:
-        """Everything reduced and landed; matrices no rank produced a gradient for lose
-        their (zero) gradient. Idempotent until the next backward."""
-        self.end_backward()
-        if self._finished:
-            return
-        self.land_all()
-        ctx = self.ctx
-        self._wait_all_reduce(ctx.reduce_group, "shard")
-        if ctx.replicate_size > 1:
-            self._wait_all_reduce(ctx.replicate_group, "replicate")
-        present = self.presence.tolist()
-        for b in boundaries:
-            for m in b.owned:
-                if not present[m.index]:
-                    b.masters[m.fqn].grad = None
-        self.presence.zero_()
-        self._finished = True
+        """Every boundary landed (clipping needs them all). Idempotent until the next
+        backward."""
+        for b in reversed(boundaries):
+            self.land(b)
+        self.close_step()
 
-    def _wait_all_reduce(self, group, dim: str) -> None:
-        work = comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim, "step")
-        if work is not None:
-            work.wait()
+    def close_step(self) -> None:
+        if not self._finished:
+            self.presence.zero_()
+        self._finished, self._presence, self._present_units = True, None, None
