@@ -69,3 +69,39 @@ class CollectiveRecorder:
     def take(self):
         calls, self.calls = self.calls, []
         return calls
+
+
+class DMuonCollectives:
+    """Records DMuon's logical collectives as its comm layer issues them: (function,
+    dim, phase). One logical collective may be several point operations on gloo."""
+
+    NAMES = ("all_gather_v", "reduce_scatter_v", "all_reduce_sum")
+
+    def __init__(self, log: list | None = None):
+        self.log = [] if log is None else log
+        self._saved = {}
+
+    def __enter__(self):
+        import dmuon.comm
+
+        for name in self.NAMES:
+            real = getattr(dmuon.comm, name)
+            self._saved[name] = real
+
+            def wrapper(*args, _name=name, _real=real, **kwargs):
+                dim, phase = args[-2:]
+                self.log.append((_name, dim, phase))
+                return _real(*args, **kwargs)
+
+            setattr(dmuon.comm, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        import dmuon.comm
+
+        for name, fn in self._saved.items():
+            setattr(dmuon.comm, name, fn)
+
+    def take(self):
+        log, self.log = list(self.log), []
+        return log

@@ -7,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder
+from _collectives import CollectiveRecorder, DMuonCollectives
 from _train import (
     build_dmuon,
     global_batches,
@@ -33,8 +33,9 @@ def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     state, ledger = dmuon.get_state(model), dmuon.get_ledger(model)
     state.memory_trace = []
-    out = {k: [] for k in ("losses", "ledger", "calls", "flops", "packed_after_forward")}
-    with CollectiveRecorder() as rec:
+    out = {k: [] for k in ("losses", "ledger", "calls", "logical", "flops",
+                           "packed_after_forward")}
+    with CollectiveRecorder() as rec, DMuonCollectives() as logical:
         for batch in global_batches(STEPS):
             tokens = local_rows(batch, rank, world)
             logits = model(tokens[:, :-1])
@@ -49,6 +50,7 @@ def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
             opt.zero_grad()
             out["flops"].append(counter.get_total_flops())
             out["calls"].append(rec.take())
+            out["logical"].append(logical.take())
             out["ledger"].append({
                 p: ledger.last_step("shard", p) for p in ("forward", "backward", "reduce")
             })
@@ -134,12 +136,18 @@ def test_ledger_bytes_per_step(mode, passes):
             assert sum(ledger.values()) == expected, (rank, step, ledger)
             assert ledger["backward"] == (0 if mode == "z2" else expected / 3)
             calls = res["calls"][step]
-            # independently counted: DMuon's uneven all-gathers (gloo: all-to-all) and
-            # reduce-scatters, one per hook boundary and phase
-            gathers = [c for c in calls if c.op == "all_to_all_single"]
-            reduces = [c for c in calls if c.op == "reduce_scatter"]
-            assert len(gathers) == (passes - 1) * layers and len(reduces) == layers
+            # independently counted on torch.distributed: DMuon's gathers and reduces
+            # (on gloo, point broadcasts and reduces) move exactly the formula's bytes
+            gathers = [c for c in calls if c.op == "broadcast"]
+            reduces = [c for c in calls if c.op == "reduce"]
             assert sum(c.wire() for c in gathers + reduces) == expected
+            # one logical collective per hook boundary and phase
+            logical = res["logical"][step]
+            assert [x for x in logical if x[0] == "all_gather_v"] == \
+                [("all_gather_v", "shard", "forward")] * layers + \
+                [("all_gather_v", "shard", "backward")] * (passes - 2) * layers
+            assert [x for x in logical if x[0] == "reduce_scatter_v"] == \
+                [("reduce_scatter_v", "shard", "reduce")] * layers
             fsdp = {c.numel for c in calls if c.op.startswith("all_gather")}
             assert fsdp <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {fsdp - fsdp_sizes}"
             # one small all-reduce per step: which units got a gradient on any rank

@@ -191,8 +191,8 @@ def test_ledger_counts_param_dtype_gathers_and_reduce_dtype_reduces(layout, z3, 
             assert shard["forward"] + shard.get("backward", 0) == gathers
             assert shard["reduce"] == reduce
             moved = {op: sum(c.wire() for c in calls if c.op == op and c.ranks == row)
-                     for op in ("all_to_all_single", "reduce_scatter")}
-            assert moved == {"all_to_all_single": gathers, "reduce_scatter": reduce}
+                     for op in ("broadcast", "reduce")}
+            assert moved == {"broadcast": gathers, "reduce": reduce}
 
 
 def test_memory_report_uses_real_dtypes():

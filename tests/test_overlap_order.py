@@ -1,6 +1,6 @@
 """Overlap, shown by the order of events on each rank: a trace of (event, boundary) with
-DMuon's collectives recorded as they are issued and the blocks' compute marked by hooks
-the test adds after DMuon's.
+DMuon's collectives recorded as its comm layer issues them and the blocks' compute
+marked by hooks the test adds after DMuon's.
 
 - forward: boundary k+1's all-gather is issued before boundary k's compute ends;
 - Z3 backward: boundary k-1's re-gather is issued before boundary k's backward ends;
@@ -13,7 +13,7 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder
+from _collectives import DMuonCollectives
 from _train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -26,31 +26,12 @@ CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=LAYERS, n_heads=4, n_kv_he
                      ffn_dim=128, max_seq_len=64)
 
 
-class Trace(CollectiveRecorder):
-    """Collectives and block events in one list, in the order they happen."""
-
-    def __init__(self):
-        super().__init__()
-        self.events = []
-
-    def _wrap(self, name, fn):
-        inner = super()._wrap(name, fn)
-
-        def wrapper(*args, **kwargs):
-            out = inner(*args, **kwargs)
-            call = self.calls[-1]
-            self.events.append((call.op, call.ranks))
-            return out
-        return wrapper
-
-
-def _mark(trace, model):
+def _mark(events, model):
     for k, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(
-            lambda m, a, o, k=k: trace.events.append(("forward_done", k)))
+        layer.register_forward_hook(lambda m, a, o, k=k: events.append(("forward_done", k)))
 
         def on_input(m, args, k=k):
-            args[0].register_hook(lambda g: trace.events.append(("backward_done", k)))
+            args[0].register_hook(lambda g: events.append(("backward_done", k)))
         layer.register_forward_pre_hook(on_input)
 
 
@@ -65,18 +46,18 @@ def _train(rank, world, layout):
         dmuon.fully_shard(layer, mesh=fsdp_mesh)
     dmuon.fully_shard(model, mesh=fsdp_mesh)
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
-    trace = Trace()
-    _mark(trace, model)
-    with trace:
+    events = []
+    _mark(events, model)
+    with DMuonCollectives(events):
         for step, batch in enumerate(global_batches(2)):
-            trace.events.append(("step_begins", step))
+            events.append(("step_begins", step))
             loss = loss_of(model, local_rows(batch, rank, world))
-            trace.events.append(("backward_begins", step))
+            events.append(("backward_begins", step))
             loss.backward()
-            trace.events.append(("backward_returned", step))
+            events.append(("backward_returned", step))
             opt.step()
             opt.zero_grad()
-    return trace.events
+    return events
 
 
 @functools.cache
@@ -88,21 +69,17 @@ def _last_step(trace):
     return trace[max(i for i, e in enumerate(trace) if e == ("step_begins", 1)):]
 
 
-def _row(rank, n):
-    return tuple(range(rank // n * n, rank // n * n + n))
-
-
-def _gathers(trace, row, begin, end):
-    """Indices of the all-gathers on the shard group between two markers."""
+def _gathers(trace, phase, begin, end):
+    """Indices of the shard all-gathers of ``phase`` between two markers."""
     lo, hi = trace.index(begin), trace.index(end)
-    return [i for i in range(lo, hi) if trace[i] == ("all_to_all_single", row)]
+    return [i for i in range(lo, hi) if trace[i] == ("all_gather_v", "shard", phase)]
 
 
 @pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["1x4", "hsdp2x2"])
 def test_next_boundary_gather_is_issued_before_this_boundary_ends(layout):
     for rank, full in enumerate(events(layout)):
-        trace, row = _last_step(full), _row(rank, layout[1])
-        forward = _gathers(trace, row, ("step_begins", 1), ("backward_begins", 1))
+        trace = _last_step(full)
+        forward = _gathers(trace, "forward", ("step_begins", 1), ("backward_begins", 1))
         assert len(forward) == LAYERS  # one gather per boundary
         for k in range(LAYERS - 1):
             assert forward[k + 1] < trace.index(("forward_done", k)), (rank, k)
@@ -111,8 +88,9 @@ def test_next_boundary_gather_is_issued_before_this_boundary_ends(layout):
 @pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["1x4", "hsdp2x2"])
 def test_z3_backward_regathers_in_reverse_ahead_of_need(layout):
     for rank, full in enumerate(events(layout)):
-        trace, row = _last_step(full), _row(rank, layout[1])
-        backward = _gathers(trace, row, ("backward_begins", 1), ("backward_returned", 1))
+        trace = _last_step(full)
+        backward = _gathers(trace, "backward", ("backward_begins", 1),
+                            ("backward_returned", 1))
         assert len(backward) == LAYERS
         # issued for layers L-1, L-2, ..., 0: the one for k-1 before k's backward ends
         for j, k in enumerate(range(LAYERS - 1, 0, -1)):
@@ -122,7 +100,6 @@ def test_z3_backward_regathers_in_reverse_ahead_of_need(layout):
 def test_hsdp_replicate_reduce_is_issued_during_backward():
     for rank, full in enumerate(events((2, 2))):
         trace = _last_step(full)
-        column = (rank % 2, rank % 2 + 2)
         lo, hi = trace.index(("backward_begins", 1)), trace.index(("backward_returned", 1))
-        during = [e for e in trace[lo:hi] if e == ("reduce_scatter", column)]
+        during = [e for e in trace[lo:hi] if e == ("reduce_scatter_v", "replicate", "reduce")]
         assert len(during) >= LAYERS - 1, (rank, len(during))
