@@ -343,11 +343,19 @@ def dedicate_params(
     needs_init = any(model.get_parameter(f).is_meta for f in plan.param_fqns)
     shapes = _local_shapes(plan, dict(model.named_parameters()))
     _off_meta(model, plan.param_fqns, ctx.device)
-    params = dict(model.named_parameters())
-    build_boundaries(state, params, shapes, mp_policy)
+    build_boundaries(state, dict(model.named_parameters()), shapes, mp_policy)
     state.needs_init = needs_init
+    _attach(model, state)
+    return plan
+
+
+def _attach(model: nn.Module, state: DMuonState) -> None:
+    """Hooks, the ordered reduce, the marks on dedicated params and the state-dict guard."""
+    from .state_dict import install_state_dict_guard
+
+    plan, params = state.plan, dict(model.named_parameters())
     state.hooks = [BoundaryHooks(b, model.get_submodule(b.name), state) for b in state.boundaries]
-    state.reduce = GradientReduce(state.boundaries, ctx, len(plan.params))
+    state.reduce = GradientReduce(state.boundaries, state.ctx, len(plan.params))
     state.install_root_hooks(model)
     for b in state.boundaries:
         for m in b.members:
@@ -356,8 +364,5 @@ def dedicate_params(
     for fqn in plan.param_fqns:
         setattr(params[fqn], _DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         params[fqn]._dmuon_owner_state = state  # param groups find the state
-    from .state_dict import install_state_dict_guard
-
     install_state_dict_guard(model, plan)
     setattr(model, _STATE_ATTR, state)
-    return plan

@@ -108,23 +108,26 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async = replicate_async
         members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
         self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
+        super().__init__(self._groups(user_groups, muon_defaults, adamw_defaults), {})
+        # One source of truth: AdamW reads the group dicts and state this optimizer owns.
+        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
+        self._adamw.state = self.state
+        self._state.optimizer_attached = True
+
+    def _groups(self, user_groups, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
+        """Muon groups of this rank's masters, then AdamW groups as torch.optim.AdamW
+        completes them (``self._adamw`` steps them)."""
         muon, adamw = [], []
         for i, g in enumerate(user_groups):
-            kind = _group_kind(i, g["params"])
             options = {k: v for k, v in g.items() if k != "params"}
-            if kind == "muon":
+            if _group_kind(i, g["params"]) == "muon":
                 muon.append(self._muon_group(g["params"], {**muon_defaults, **options}, i))
             else:
                 adamw.append({**adamw_defaults, **_only(options, _ADAMW_KEYS, i, "AdamW"),
                               "params": g["params"]})
         self._adamw = torch.optim.AdamW(
             adamw or [{"params": [torch.zeros(0, requires_grad=True)]}], **adamw_defaults)
-        groups = muon + [dict(g, kind="adamw") for g in self._adamw.param_groups[:len(adamw)]]
-        super().__init__(groups, {})
-        # One source of truth: AdamW reads the group dicts and state this optimizer owns.
-        self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
-        self._adamw.state = self.state
-        self._state.optimizer_attached = True
+        return muon + [dict(g, kind="adamw") for g in self._adamw.param_groups[:len(adamw)]]
 
     def _muon_group(self, module_params, options: dict, index: int) -> dict:
         options = _only(options, _MUON_KEYS, index, "Muon")
