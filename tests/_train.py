@@ -47,36 +47,49 @@ def fp64_newton_schulz(grad, ns_coefficients, ns_steps, eps):
     return x.T if tall else x
 
 
-def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
-    """Single process, whole global batch: torch.optim.Muon with a float64 NS + AdamW."""
+@contextlib.contextmanager
+def reference_ns(ns=fp64_newton_schulz):
+    """torch.optim.Muon's Newton-Schulz replaced by ``ns(grad, coefficients, steps, eps)``
+    (an independent float64 NS by default)."""
     import torch.optim._muon as tmuon
 
-    model = build_model(get_config(config), dtype=torch.float64, seed=0)
-    muon_params = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
-    others = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
-    h = HPARAMS
-    muon = torch.optim.Muon(muon_params, lr=h["lr"], weight_decay=h["weight_decay"],
-                            momentum=h["momentum"], nesterov=h["nesterov"],
-                            adjust_lr_fn=adjust_lr_fn)
-    adamw = torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in (muon, adamw)]
-    saved = tmuon._zeropower_via_newtonschulz
-    tmuon._zeropower_via_newtonschulz = fp64_newton_schulz
-    losses = []
+    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, ns
     try:
+        yield
+    finally:
+        tmuon._zeropower_via_newtonschulz = saved
+
+
+def reference_optimizers(muon, others, adjust_lr_fn=None) -> list:
+    """torch.optim.Muon (``muon``: params or param groups) and torch.optim.AdamW with the
+    tests' hyperparameters."""
+    h = HPARAMS
+    return [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
+                             momentum=h["momentum"], nesterov=h["nesterov"],
+                             adjust_lr_fn=adjust_lr_fn),
+            torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
+                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
+
+
+def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
+    """Single process, whole global batch: torch.optim.Muon with a float64 NS + AdamW."""
+    model = build_model(get_config(config), dtype=torch.float64, seed=0)
+    opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],
+                                [p for n, p in model.named_parameters()
+                                 if not muon_predicate(n, p)], adjust_lr_fn)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
+    losses = []
+    with reference_ns():
         for batch in batches or global_batches(steps):
             loss = loss_of(model, batch)
             loss.backward()
-            muon.step()
-            adamw.step()
+            for o in opts:
+                o.step()
             for s in scheds:
                 s.step()
-            muon.zero_grad()
-            adamw.zero_grad()
+            for o in opts:
+                o.zero_grad()
             losses.append(loss.item())
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 

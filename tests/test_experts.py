@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _train import HPARAMS, fp64_newton_schulz
+from _train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
@@ -113,26 +113,16 @@ def _train(rank, world, path=None, save_at=None, load=False):
 
 def _reference():
     """Single process, one 2-D param per expert, torch.optim.Muon with a float64 NS."""
-    import torch.optim._muon as tmuon
-
     model = build()
     model.layers = nn.ModuleList(LoopLayer(layer) for layer in model.layers)
-    muon = [p for n, p in model.named_parameters() if is_muon(n, p)]
-    rest = [p for n, p in model.named_parameters() if not is_muon(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"]),
-            torch.optim.AdamW(rest, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
-    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, \
-        fp64_newton_schulz
-    try:
+    opts = reference_optimizers([p for n, p in model.named_parameters() if is_muon(n, p)],
+                                [p for n, p in model.named_parameters() if not is_muon(n, p)])
+    with reference_ns():
         for batch in batches():
             loss_of(model, batch).backward()
             for o in opts:
                 o.step()
                 o.zero_grad()
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     sd = model.state_dict()
     for i in range(LAYERS):
         for name in ("up", "down"):

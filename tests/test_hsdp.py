@@ -7,7 +7,6 @@ import functools
 import pytest
 import torch
 from _train import (
-    HPARAMS,
     build_model,
     get_config,
     gram_ns_flops,
@@ -109,21 +108,15 @@ def test_clipped_norm_equals_single_process_norm():
 
 def _reference_norms(clip, steps):
     """Single process: the global-batch gradient norm at each step, clipping applied."""
-    import torch.optim._muon as tmuon
-    from _train import fp64_newton_schulz, global_batches, loss_of, lr_lambda
+    from _train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
 
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
-    muon_params = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
-    others = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon_params, lr=h["lr"], weight_decay=h["weight_decay"]),
-            torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              weight_decay=h["adamw_weight_decay"])]
+    opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],
+                                [p for n, p in model.named_parameters()
+                                 if not muon_predicate(n, p)])
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
-    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, \
-        fp64_newton_schulz
     norms = []
-    try:
+    with reference_ns():
         for batch in global_batches(steps):
             loss_of(model, batch).backward()
             norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item())
@@ -132,6 +125,4 @@ def _reference_norms(clip, steps):
                 o.zero_grad()
             for s in scheds:
                 s.step()
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     return norms

@@ -22,7 +22,7 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from _train import HPARAMS, global_batches, local_rows, loss_of, reference_ns, reference_optimizers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -98,22 +98,14 @@ def reference(reduce_dtype, autocast=False, steps=STEPS):
     """One process: each rank's micro-batch in bf16 (or fp32 under autocast) on its own,
     gradients averaged over the 4 ranks in ``reduce_dtype`` (rank order), fp32 masters
     stepped by torch.optim.Muon (fp32 standard NS) and AdamW."""
-    import torch.optim._muon as tmuon
-
     master = build_model(get_config("tiny"), seed=0)
     names = [n for n, _ in master.named_parameters()]
-    muon = [p for n, p in master.named_parameters() if muon_predicate(n, p)]
-    rest = [p for n, p in master.named_parameters() if not muon_predicate(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
-                             momentum=h["momentum"], nesterov=h["nesterov"]),
-            torch.optim.AdamW(rest, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
+    opts = reference_optimizers([p for n, p in master.named_parameters() if muon_predicate(n, p)],
+                                [p for n, p in master.named_parameters()
+                                 if not muon_predicate(n, p)])
     ns = functools.partial(dmuon.newton_schulz, backend="standard", dtype=torch.float32)
-    saved = tmuon._zeropower_via_newtonschulz
-    tmuon._zeropower_via_newtonschulz = lambda g, coefficients, steps, eps: ns(
-        g, steps, coefficients=coefficients, eps=eps)
-    try:
+    with reference_ns(lambda g, coefficients, steps, eps: ns(g, steps, coefficients=coefficients,
+                                                              eps=eps)):
         for batch in global_batches(steps):
             sums = {n: torch.zeros_like(p, dtype=reduce_dtype)
                     for n, p in master.named_parameters()}
@@ -130,8 +122,6 @@ def reference(reduce_dtype, autocast=False, steps=STEPS):
             for o in opts:
                 o.step()
                 o.zero_grad()
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     return {n: t.detach().clone() for n, t in master.state_dict().items() if n in names}
 
 

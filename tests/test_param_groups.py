@@ -13,11 +13,12 @@ import torch
 from _train import (
     HPARAMS,
     build_dmuon,
-    fp64_newton_schulz,
     global_batches,
     local_rows,
     loss_of,
     lr_lambda,
+    reference_ns,
+    reference_optimizers,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -84,29 +85,19 @@ def results(tmp_path_factory):
 
 
 def reference():
-    import torch.optim._muon as tmuon
-
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     attn, mlp, rest = (g["params"] for g in _groups(model))
-    muon = torch.optim.Muon([{"params": attn, "weight_decay": 0.0},
-                             {"params": mlp, "lr": H["lr"] / 2}], lr=H["lr"],
-                            weight_decay=H["weight_decay"], momentum=H["momentum"],
-                            nesterov=H["nesterov"])
-    adamw = torch.optim.AdamW(rest, lr=H["adamw_lr"], betas=H["adamw_betas"],
-                              eps=H["adamw_eps"], weight_decay=H["adamw_weight_decay"])
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in (muon, adamw)]
-    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, \
-        fp64_newton_schulz
-    try:
+    opts = reference_optimizers([{"params": attn, "weight_decay": 0.0},
+                                 {"params": mlp, "lr": H["lr"] / 2}], rest)
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
+    with reference_ns():
         for batch in global_batches(STEPS):
             loss_of(model, batch).backward()
-            for o in (muon, adamw):
+            for o in opts:
                 o.step()
                 o.zero_grad()
             for s in scheds:
                 s.step()
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

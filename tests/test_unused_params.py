@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _collectives import CollectiveRecorder
-from _train import HPARAMS, fp64_newton_schulz
+from _train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -147,20 +147,12 @@ def _train(rank, world, kind, layout, z3):
 def reference(kind: str):
     """One process: the mean of the ranks' losses, each rank's rows taking its own path,
     so a matrix no rank used has no gradient and torch.optim skips it."""
-    import torch.optim._muon as tmuon
-
     model = build(kind)
     muon = [p for n, p in model.named_parameters() if is_muon(n, p)]
-    rest = [p for n, p in model.named_parameters() if not is_muon(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
-                             momentum=h["momentum"], nesterov=h["nesterov"]),
-            torch.optim.AdamW(rest, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
-    saved, tmuon._zeropower_via_newtonschulz = tmuon._zeropower_via_newtonschulz, \
-        fp64_newton_schulz
+    opts = reference_optimizers(muon, [p for n, p in model.named_parameters()
+                                       if not is_muon(n, p)])
     untouched = 0
-    try:
+    with reference_ns():
         for step, batch in enumerate(batches(kind)):
             model.skip_last = skips(kind, step)
             sum(loss_of(model, batch[r * ROWS:(r + 1) * ROWS]) for r in range(WORLD)).__truediv__(
@@ -169,8 +161,6 @@ def reference(kind: str):
             for o in opts:
                 o.step()
                 o.zero_grad()
-    finally:
-        tmuon._zeropower_via_newtonschulz = saved
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, untouched
 
 
