@@ -106,11 +106,11 @@ class GradientReduce:
         for n, item in enumerate(waiting):
             if not (block or n < len(waiting) - 1 or item.column.done()):
                 return
-            item.column.wait()
             b = item.boundary
             item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
                                          dtype=item.column_out.dtype, device=ctx.device)
             with ctx.streams.issuing("reduce"):
+                item.column.wait()  # on CUDA the reduce stream waits, not the compute stream
                 work = comm.reduce_scatter_v(item.owned_out, item.column_out, b.replica_sizes,
                                              ctx.replicate_group, ctx.ledger, "replicate",
                                              "reduce")
