@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dmuon
+from dmuon import cost
 from service.local import run
 from service.models import build_model, get_config, muon_predicate
 
@@ -183,6 +184,20 @@ def test_ledger_counts_param_dtype_gathers_and_reduce_dtype_reduces(layout, z3, 
             moved = {op: sum(c.wire() for c in calls if c.op == op and c.ranks == row)
                      for op in ("broadcast", "reduce")}
             assert moved == {"broadcast": gathers, "reduce": reduce}
+
+
+@pytest.mark.parametrize("layout,z3", LAYOUTS, ids=IDS)
+def test_cost_model_predicts_the_policys_bytes_and_memory(layout, z3):
+    """dmuon.cost (what the planner uses) with bf16 params, fp32 reduce and fp32 masters
+    equals the ledger and memory_report of the run, exactly."""
+    R, N = layout
+    plan = dmuon.partition(build_model(get_config("tiny"), device="meta"),
+                           predicate=muon_predicate, shard_size=N, replicate_size=R)
+    for rank, res in enumerate(dist_run(layout, z3, torch.float32)):
+        assert res["ledger"][-1] == cost.ledger_prediction(plan, rank, z3=z3, param_bytes=2,
+                                                           reduce_bytes=4)
+        predicted = cost.memory_prediction(plan, rank, z3=z3, param_bytes=2, master_bytes=4)
+        assert {k: res["memory"][k] for k in predicted} == predicted
 
 
 def test_memory_report_uses_real_dtypes():
