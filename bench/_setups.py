@@ -122,3 +122,22 @@ def build(setup: Setup, world: int, model_name: str, clock: NSClock):
         return model, NaiveFSDPMuon(model, clock)
     return model, dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=NS_DTYPE,
                              replicate_async=setup.replicate_async)
+
+
+def take_turns(built: dict, rounds: int, steps: int, step) -> dict[str, list]:
+    """Measure the set-ups in turns: each runs ``steps`` timed steps in a row (after one
+    untimed) per round, the rounds alternating between set-ups, so that a change in the
+    machine's load falls on all of them alike. Work a set-up leaves in flight (an async
+    replicate all-gather) is drained before the next one's turn, so it cannot hide
+    behind another set-up's steps. ``step(name, model, opt, data_index)`` returns a
+    record; every set-up sees the same data indices."""
+    records = {name: [] for name in built}
+    for r in range(rounds):
+        for name, (model, opt) in built.items():
+            for s in range(steps + 1):
+                record = step(name, model, opt, r * (steps + 1) + s)
+                if s:
+                    records[name].append(record)
+            if getattr(model, "_dmuon_state", None) is not None:
+                dmuon.get_state(model).drain()
+    return records

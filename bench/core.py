@@ -4,10 +4,12 @@ rank, with checkpoint save/load times (plain DCP for FSDP2 + AdamW, ``dmuon.chec
 for DMuon).
 
 4 gloo ranks on the CPU, built-in model ``small`` (d=256, 4 layers), NS in fp32. Times
-are per-rank medians, then the slowest rank. The floor of a DMuon set-up is FSDP2 +
-AdamW's full step plus that set-up's busiest rank's NS time, both from this run: the NS
-work has to run somewhere. Prints tables and writes bench/results/core.json. Not a test:
-the targets are reported, not asserted.
+are per-rank medians, then the slowest rank; the set-ups live in one set of processes
+and are measured in turns (``bench._setups.take_turns``), so the machine's load falls on
+all of them alike. The
+floor of a DMuon set-up is FSDP2 + AdamW's full step plus that set-up's busiest rank's
+NS time, both from this run: the NS work has to run somewhere. Prints tables and writes
+bench/results/core.json. Not a test: the targets are reported, not asserted.
 """
 
 from __future__ import annotations
@@ -22,15 +24,15 @@ import time
 import torch.distributed as dist
 
 import dmuon
-from bench._setups import NS_DTYPE, SETUPS, NSClock, build
+from bench._setups import NS_DTYPE, SETUPS, NSClock, build, take_turns
 from service.data import batch_at, load_corpus
 from service.local import run
 from service.models import build_model, causal_lm_loss, get_config, muon_predicate
 
 CONFIGS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3",
            "dmuon_z3_hsdp2x2_sync", "dmuon_z3_hsdp2x2_async")
-# tokens per rank -> (sequences per rank, sequence length, measured steps)
-SIZES = {256: (4, 64, 20), 4096: (16, 256, 8)}
+# tokens per rank -> (sequences per rank, sequence length, rounds, timed steps per round)
+SIZES = {256: (4, 64, 4, 5), 4096: (16, 256, 2, 4)}
 RESULTS = pathlib.Path(__file__).parent / "results"
 
 
@@ -65,31 +67,31 @@ def _checkpoint_times(config, model, opt, directory, repeats=3) -> dict:
     return {"save_s": statistics.median(saves), "load_s": statistics.median(loads)}
 
 
-def _worker(rank, world, config, model_name, steps, warmup, batch, seq, ckpt_dir):
+def _worker(rank, world, configs, model_name, rounds, steps, batch, seq, ckpt_dir):
     clock = NSClock()
+    corpus = load_corpus("train", max_bytes=1_000_000)
+
+    def step(name, model, opt, index) -> dict:
+        tokens = batch_at(corpus, index, batch * world, seq)[rank * batch:(rank + 1) * batch]
+        dist.barrier()
+        t0 = time.perf_counter()
+        causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        t1 = time.perf_counter()
+        opt.step()
+        t2 = time.perf_counter()
+        opt.zero_grad()
+        return {"full": t2 - t0, "fwd_bwd": t1 - t0, "opt_step": t2 - t1, "ns": clock.take()}
+
     with clock.installed():
-        model, opt = build(SETUPS[config], world, model_name, clock)
-        corpus = load_corpus("train", max_bytes=1_000_000)
-        times = {k: [] for k in ("full", "fwd_bwd", "opt_step", "ns")}
-        for step in range(warmup + steps):
-            tokens = batch_at(corpus, step, batch * world, seq)[rank * batch:(rank + 1) * batch]
-            dist.barrier()
-            t0 = time.perf_counter()
-            causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            t1 = time.perf_counter()
-            opt.step()
-            t2 = time.perf_counter()
-            opt.zero_grad()
-            ns = clock.take()
-            if step >= warmup:
-                for k, v in (("full", t2 - t0), ("fwd_bwd", t1 - t0), ("opt_step", t2 - t1),
-                             ("ns", ns)):
-                    times[k].append(v)
-    out = {f"{k}_s": statistics.median(v) for k, v in times.items()}
-    if ckpt_dir and config != "naive_fsdp2_muon":
-        out.update(_checkpoint_times(config, model, opt, ckpt_dir))
-    if config.startswith("dmuon"):
-        out["memory"] = dmuon.memory_report(model, opt)
+        built = {c: build(SETUPS[c], world, model_name, clock) for c in configs}
+        times = take_turns(built, rounds, steps, step)
+    out = {}
+    for c, (model, opt) in built.items():
+        out[c] = {f"{k}_s": statistics.median(t[k] for t in times[c]) for k in times[c][0]}
+        if ckpt_dir and c != "naive_fsdp2_muon":
+            out[c].update(_checkpoint_times(c, model, opt, ckpt_dir))
+        if c.startswith("dmuon"):
+            out[c]["memory"] = dmuon.memory_report(model, opt)
     return out
 
 
@@ -101,14 +103,15 @@ def _planning_time() -> float:
 
 
 def measure(args, tokens: int, ckpt_dir) -> dict:
-    batch, seq, steps = SIZES[tokens]
+    batch, seq, rounds, steps = SIZES[tokens]
+    per_rank = run(_worker, CONFIGS, args.model, rounds, steps, batch, seq, ckpt_dir,
+                   world_size=args.world)
     rows = {}
     for config in CONFIGS:
-        per_rank = run(_worker, config, args.model, steps, args.warmup, batch, seq, ckpt_dir,
-                       world_size=args.world)
-        rows[config] = {k: max(r[k] for r in per_rank) for k in per_rank[0] if k.endswith("_s")}
-        if "memory" in per_rank[0]:
-            rows[config]["memory"] = per_rank[0]["memory"]
+        rows[config] = {k: max(r[config][k] for r in per_rank)
+                        for k in per_rank[0][config] if k.endswith("_s")}
+        if "memory" in per_rank[0][config]:
+            rows[config]["memory"] = per_rank[0][config]["memory"]
     base, naive = rows["fsdp2_adamw"], rows["naive_fsdp2_muon"]
     for config, r in rows.items():
         r["full_vs_fsdp2_adamw"] = r["full_s"] / base["full_s"]
@@ -138,7 +141,6 @@ def _print(tokens: int, rows: dict) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="small")
-    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--tokens", type=int, nargs="+", default=sorted(SIZES), choices=sorted(SIZES))
     args = ap.parse_args()

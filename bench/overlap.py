@@ -4,9 +4,10 @@ on these machines, tbf is, and a 200 Mbit/s bucket measured 201 Mbit/s). One run
 compares FSDP2 + AdamW, naive FSDP2 + Muon, DMuon-Z2, DMuon-Z3 with prefetch on and off,
 and HSDP 2x2 with the replicate all-gather async and sync.
 
-Per set-up (medians over steps, slowest rank): the step time, the time the ranks sat
-waiting for parameter all-gathers ("exposed gather": what prefetch exists to hide) and
-for the replicate all-gather. Needs root and iproute2; everything it makes (one
+Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
+``bench._setups.take_turns``): the step time, the time the ranks sat waiting for
+parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
+replicate all-gather. Needs root and iproute2; everything it makes (one
 namespace) it removes. Prints a table and writes bench/results/overlap.json.
 
     python -m bench.overlap [--rate 2gbit] [--steps 10]
@@ -53,44 +54,43 @@ class Waits:
         return out
 
 
-def _worker(rank, world, name, steps, warmup, batch, seq):
+def _worker(rank, world, rounds, steps, batch, seq):
     import torch.distributed as dist
 
     from bench._setups import SETUPS as ALL
-    from bench._setups import NSClock, build
+    from bench._setups import NSClock, build, take_turns
     from service.data import batch_at, load_corpus
     from service.models import causal_lm_loss
 
     waits, clock = Waits(), NSClock()
+    corpus = load_corpus("train", max_bytes=1_000_000)
+
+    def step(name, model, opt, index) -> dict:
+        tokens = batch_at(corpus, index, batch * world, seq)[rank * batch:(rank + 1) * batch]
+        dist.barrier()
+        waits.take()
+        t0 = time.perf_counter()
+        causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+        elapsed, wait = time.perf_counter() - t0, waits.take()
+        return {"step_s": elapsed, "gather_wait_s": wait["gather"],
+                "replicate_wait_s": wait["replicate"], "ns_s": clock.take()}
+
     with clock.installed():
-        model, opt = build(ALL[name], world, "small", clock)
-        corpus = load_corpus("train", max_bytes=1_000_000)
-        rows = []
-        for step in range(warmup + steps):
-            tokens = batch_at(corpus, step, batch * world, seq)[rank * batch:(rank + 1) * batch]
-            dist.barrier()
-            t0 = time.perf_counter()
-            causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            opt.step()
-            opt.zero_grad()
-            elapsed, wait, ns = time.perf_counter() - t0, waits.take(), clock.take()
-            if step >= warmup:
-                rows.append({"step_s": elapsed, "gather_wait_s": wait["gather"],
-                             "replicate_wait_s": wait["replicate"], "ns_s": ns})
-    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        built = {name: build(ALL[name], world, "small", clock) for name in SETUPS}
+        records = take_turns(built, rounds, steps, step)
+    return {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            for name, rows in records.items()}
 
 
 def inside(args) -> dict:
     """The measurements, run inside the throttled namespace."""
     from service.local import run
 
-    results = {}
-    for name in SETUPS:
-        per_rank = run(_worker, name, args.steps, args.warmup, args.batch, args.seq,
-                       world_size=4)
-        results[name] = {k: max(r[k] for r in per_rank) for k in per_rank[0]}
-        print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
-    return results
+    per_rank = run(_worker, args.rounds, args.steps, args.batch, args.seq, world_size=4)
+    return {name: {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
+            for name in SETUPS}
 
 
 def _sh(*cmd: str) -> None:
@@ -107,8 +107,8 @@ def throttled(args) -> dict:
             "rate", args.rate, "burst", "256kb", "latency", "200ms")
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap",
-                   "--inside", out.name, "--steps", str(args.steps), "--warmup",
-                   str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq)]
+                   "--inside", out.name, "--steps", str(args.steps), "--rounds",
+                   str(args.rounds), "--batch", str(args.batch), "--seq", str(args.seq)]
             subprocess.run(cmd, check=True, timeout=3600,
                            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
             return json.loads(pathlib.Path(out.name).read_text())
@@ -121,7 +121,8 @@ def report(args, r: dict) -> dict:
     on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
     sync, asyn = r["dmuon_z3_hsdp2x2_sync"], r["dmuon_z3_hsdp2x2_async"]
     print(f"\nloopback throttled to {args.rate} (tbf), 4 ranks, model 'small', "
-          f"{args.batch} x {args.seq} tokens per rank, medians of {args.steps} steps")
+          f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
+          f"{args.steps} steps")
     print("| set-up | step (ms) | / FSDP2+AdamW | exposed gather wait (ms) |"
           " replicate wait (ms) | NS (ms) |\n|---|---:|---:|---:|---:|---:|")
     for name, row in r.items():
@@ -150,8 +151,8 @@ def report(args, r: dict) -> dict:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rate", default="2gbit", help="tbf rate of the namespace's loopback")
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per turn")
+    ap.add_argument("--rounds", type=int, default=3, help="turns per set-up")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--inside", help=argparse.SUPPRESS)  # the namespace's side
