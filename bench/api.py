@@ -3,9 +3,10 @@
 Side by side in one run, with the same client: this tree on SQLite, this tree on
 PostgreSQL (a server of its own, as the tests start one), and the baseline commit
 (d92165d, before issue #15) on SQLite, checked out with ``git worktree`` into a temp dir
-and served with the same venv. Each service gets one dry-run job, then 100 threads issue
-20 requests each (2,000 in all, bounded), each thread over its own keep-alive
-connection. Prints a table and writes bench/results/api.json.
+and served with the same venv. Each service gets one dry-run job, then 100 keep-alive
+connections read it for a bounded time with ``wrk`` (Debian's package; a C client, so
+the load generator does not take the CPU the service under test needs on a 2-core
+machine, as a Python client does). Prints a table and writes bench/results/api.json.
 
     python -m bench.api [--skip-baseline] [--skip-postgres]
 """
@@ -16,13 +17,12 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import requests
 
@@ -31,7 +31,7 @@ from service.local_ray import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-READERS, PER_READER = 100, 20
+READERS, SECONDS = 100, 10
 BASELINE = "d92165d"
 TOKEN = "bench-token"
 
@@ -48,21 +48,21 @@ def _serve(source: pathlib.Path, module: str, env: dict) -> tuple[subprocess.Pop
     return proc, url
 
 
-def _readers(url: str, job_id: str) -> tuple[list[float], float]:
-    def reader(_):
-        times = []
-        with requests.Session() as session:
-            for _ in range(PER_READER):
-                t0 = time.perf_counter()
-                resp = session.get(f"{url}/v1/jobs/{job_id}", timeout=60)
-                assert resp.status_code == 200, resp.text
-                times.append(time.perf_counter() - t0)
-        return times
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=READERS) as pool:
-        latencies = sorted(t for ts in pool.map(reader, range(READERS)) for t in ts)
-    return latencies, time.perf_counter() - t0
+def _wrk(url: str, job_id: str, seconds: int) -> dict:
+    """``wrk`` with READERS connections for ``seconds``: requests/s and latency
+    percentiles (its ``--latency`` distribution), refusing any non-2xx answer."""
+    out = subprocess.run(
+        ["wrk", "-t", "2", "-c", str(READERS), "-d", f"{seconds}s", "--latency",
+         "-H", f"Authorization: Bearer {TOKEN}", f"{url}/v1/jobs/{job_id}"],
+        check=True, capture_output=True, text=True, timeout=seconds + 60).stdout
+    if "Non-2xx" in out:
+        raise RuntimeError(f"wrk saw error answers:\n{out}")
+    unit = {"us": 1e-3, "ms": 1.0, "s": 1e3}
+    pct = {int(q): float(v) * unit[u] for q, v, u in
+           re.findall(r"^\s+(50|90|99)%\s+([\d.]+)(us|ms|s)$", out, re.M)}
+    return {"requests": int(re.search(r"(\d+) requests in", out).group(1)),
+            "requests_per_s": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),
+            "p50_ms": pct[50], "p90_ms": pct[90], "p99_ms": pct[99]}
 
 
 def measure(name: str, source: pathlib.Path, module: str, env: dict) -> dict:
@@ -71,15 +71,12 @@ def measure(name: str, source: pathlib.Path, module: str, env: dict) -> dict:
         job = requests.post(f"{url}/v1/jobs", json={"spec": {"model": "tiny"},
                                                     "dry_run": True},
                             headers={"Authorization": f"Bearer {TOKEN}"}, timeout=120).json()
-        _readers(url, job["id"])  # warm-up: connection pools, caches, imports
-        latencies, wall = _readers(url, job["id"])
+        _wrk(url, job["id"], 3)  # warm-up: connection pools, caches, imports
+        row = _wrk(url, job["id"], SECONDS)
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=30)
-    p = {q: latencies[int(q / 100 * (len(latencies) - 1))] * 1e3 for q in (50, 90, 99)}
-    return {"service": name, "requests": len(latencies), "readers": READERS,
-            "p50_ms": p[50], "p90_ms": p[90], "p99_ms": p[99],
-            "requests_per_s": len(latencies) / wall}
+    return {"service": name, "readers": READERS, **row}
 
 
 def _baseline_tree(tmp: str) -> pathlib.Path:
@@ -126,8 +123,8 @@ def main(argv=None) -> None:
 
 
 def _report(rows: list[dict]) -> None:
-    print(f"GET /v1/jobs/{{id}}, {READERS} concurrent readers x {PER_READER} requests, "
-          "keep-alive, one uvicorn worker")
+    print(f"GET /v1/jobs/{{id}}, {READERS} keep-alive connections for {SECONDS} s (wrk), "
+          "one uvicorn worker")
     print(f"| {'service':<26} | req/s | p50 ms | p90 ms | p99 ms |")
     print(f"|{'-' * 28}|------:|-------:|-------:|-------:|")
     for r in rows:
