@@ -35,6 +35,7 @@ SETUPS = {s.name: s for s in (
     Setup("dmuon_z2", "dmuon", z3=False),
     Setup("dmuon_z3", "dmuon"),
     Setup("dmuon_z3_no_prefetch", "dmuon", prefetch=0),
+    Setup("dmuon_z3_prefetch2", "dmuon", prefetch=2),
     Setup("dmuon_z3_hsdp2x2_sync", "dmuon", hsdp=True, replicate_async=False),
     Setup("dmuon_z3_hsdp2x2_async", "dmuon", hsdp=True),
 )}

@@ -27,7 +27,7 @@ import time
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 SETUPS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3", "dmuon_z3_no_prefetch",
-          "dmuon_z3_hsdp2x2_async", "dmuon_z3_hsdp2x2_sync")
+          "dmuon_z3_prefetch2", "dmuon_z3_hsdp2x2_async", "dmuon_z3_hsdp2x2_sync")
 
 
 class Waits:
@@ -36,10 +36,13 @@ class Waits:
 
     def __init__(self):
         from dmuon.buffers import Boundary
+        from dmuon.reduce import GradientReduce
 
-        self.seconds = {"gather": 0.0, "replicate": 0.0}
-        for kind, name in (("gather", "wait_gather"), ("replicate", "wait_replicate")):
-            setattr(Boundary, name, self._timed(kind, getattr(Boundary, name)))
+        self.seconds = {"gather": 0.0, "replicate": 0.0, "reduce": 0.0}
+        for kind, owner, name in (("gather", Boundary, "wait_gather"),
+                                  ("replicate", Boundary, "wait_replicate"),
+                                  ("reduce", GradientReduce, "land")):
+            setattr(owner, name, self._timed(kind, getattr(owner, name)))
 
     def _timed(self, kind, method):
         def timed(boundary, *args):
@@ -70,12 +73,16 @@ def _worker(rank, world, rounds, steps, batch, seq):
         dist.barrier()
         waits.take()
         t0 = time.perf_counter()
-        causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+        loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
         elapsed, wait = time.perf_counter() - t0, waits.take()
-        return {"step_s": elapsed, "gather_wait_s": wait["gather"],
-                "replicate_wait_s": wait["replicate"], "ns_s": clock.take()}
+        return {"step_s": elapsed, "forward_s": t1 - t0, "backward_s": t2 - t1,
+                "gather_wait_s": wait["gather"], "replicate_wait_s": wait["replicate"],
+                "reduce_wait_s": wait["reduce"], "ns_s": clock.take()}
 
     with clock.installed():
         built = {name: build(ALL[name], world, "small", clock) for name in SETUPS}

@@ -136,17 +136,27 @@ class DMuonState:
     # -- the root's hooks: where one iteration's backward begins and ends -----------------
     def install_root_hooks(self, model: nn.Module) -> None:
         def pre_forward(module, args):
-            if not self.in_backward:
-                return
-            self.end_backward()
+            if self.in_backward:
+                self.end_backward()
+            # the first boundaries' all-gathers overlap what runs before them (the
+            # embedding, FSDP2's own gathers); every rank issues them here, in order
+            for b in self.boundaries[:self.prefetch_depth]:
+                b.start_gather("forward")
 
         def post_forward(module, args, output):
             if torch.is_grad_enabled() and not self.in_backward:
                 from torch.utils._pytree import tree_flatten
 
+                hooked = False
                 for t in tree_flatten(output)[0]:
                     if isinstance(t, torch.Tensor) and t.requires_grad:
                         t.register_hook(self._backward_begins)
+                        hooked = True
+                if hooked and self.reshard_after_forward:
+                    # Z3: the backward needs the last boundaries first; their re-gathers
+                    # overlap the loss and the head's backward
+                    for b in self.boundaries[::-1][:self.prefetch_depth]:
+                        b.start_gather("backward")
             return output
 
         model.register_forward_pre_hook(pre_forward)

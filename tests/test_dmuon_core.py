@@ -191,11 +191,14 @@ def test_packed_buffer_memory_z2_and_z3():
     layers = list(layer_bytes.values())
     for res in dist_run("z2", None):
         assert res["packed_after_forward"] == [p_m_bytes] * STEPS  # full P_M, not P_M / N
-    # Z3 without prefetch: one boundary at a time; with the default prefetch of one
-    # boundary, the running one and the next
-    for prefetch, peak in ((0, max(layers)), (1, max(map(sum, zip(layers, layers[1:]))))):
+    # Z3 without prefetch: one boundary at a time, none between forward and backward;
+    # with the default prefetch of one boundary, the running one and the next, and the
+    # last one's re-gather already under way when the forward returns
+    for prefetch, peak, after_forward in (
+            (0, max(layers), 0),
+            (1, max(map(sum, zip(layers, layers[1:]))), layers[-1])):
         for res in dist_run("z3", None, prefetch):
-            assert res["packed_after_forward"] == [0] * STEPS
+            assert res["packed_after_forward"] == [after_forward] * STEPS
             assert max(b for _, b in res["trace"]) == peak
             assert res["memory"]["packed_buffers"] == 0
 

@@ -3,7 +3,8 @@ DMuon's collectives recorded as its comm layer issues them and the blocks' compu
 marked by hooks the test adds after DMuon's.
 
 - forward: boundary k+1's all-gather is issued before boundary k's compute ends;
-- Z3 backward: boundary k-1's re-gather is issued before boundary k's backward ends;
+- Z3 backward: the last boundary's re-gather is issued before the backward begins, and
+  boundary k-1's before boundary k's backward ends;
 - HSDP: replicate-stage reduce-scatters are issued during the backward.
 """
 
@@ -89,9 +90,11 @@ def test_next_boundary_gather_is_issued_before_this_boundary_ends(layout):
 def test_z3_backward_regathers_in_reverse_ahead_of_need(layout):
     for rank, full in enumerate(events(layout)):
         trace = _last_step(full)
-        backward = _gathers(trace, "backward", ("backward_begins", 1),
-                            ("backward_returned", 1))
+        # the last block's re-gather goes out when the forward returns (under the loss
+        # and the head's backward), then one per block in reverse
+        backward = _gathers(trace, "backward", ("step_begins", 1), ("backward_returned", 1))
         assert len(backward) == LAYERS
+        assert backward[0] < trace.index(("backward_begins", 1))
         # issued for layers L-1, L-2, ..., 0: the one for k-1 before k's backward ends
         for j, k in enumerate(range(LAYERS - 1, 0, -1)):
             assert backward[j + 1] < trace.index(("backward_done", k)), (rank, k)
