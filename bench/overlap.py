@@ -10,7 +10,7 @@ parameter all-gathers ("exposed gather": what prefetch exists to hide) and for t
 replicate all-gather. Needs root and iproute2; everything it makes (one
 namespace) it removes. Prints a table and writes bench/results/overlap.json.
 
-    python -m bench.overlap [--rate 2gbit] [--steps 10]
+    python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -157,7 +157,7 @@ def report(args, r: dict) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", default="2gbit", help="tbf rate of the namespace's loopback")
+    ap.add_argument("--rate", default="3gbit", help="tbf rate of the namespace's loopback")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per turn")
     ap.add_argument("--rounds", type=int, default=3, help="turns per set-up")
     ap.add_argument("--batch", type=int, default=4)

@@ -97,6 +97,7 @@ class BoundaryHooks:
     def _pre_backward(self, grad):
         if not self._regathered:
             self._regathered = True
+            self.state.reduce.flush()
             b = self.boundary
             b.start_gather("backward")
             self.state.prefetch(self, forward=False)

@@ -60,10 +60,18 @@ class GradientReduce:
                 self.presence[m.index] = 1.0
 
     def boundary_done(self, boundary: Boundary) -> None:
-        """``boundary``'s backward is over on this rank: issue what the order allows."""
+        """``boundary``'s backward is over on this rank. Its reduce goes out when the
+        next boundary's backward begins (``flush``): by then FSDP2 has sent its own
+        reduce-scatter for the same block, which the CPU waits for and which would
+        otherwise queue behind this bulk transfer. The last boundary goes at once."""
         if not (self._backward_syncs if self.backward_open else self.sync):
             return
         self._ready.add(id(boundary))
+        if boundary is self.order[-1]:
+            self.flush()
+
+    def flush(self) -> None:
+        """Issue the ready reduces the fixed order allows."""
         while self._next < len(self.order) and id(self.order[self._next]) in self._ready:
             self._issue(self.order[self._next])
             self._next += 1
