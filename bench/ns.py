@@ -16,8 +16,8 @@ import torch
 from torch.optim._muon import _zeropower_via_newtonschulz
 
 import dmuon
-from service.data import batch_at, load_corpus
-from service.models import ModelConfig, build_model, causal_lm_loss
+from service.train.corpus import batch_at, load_corpus
+from service.train.models import ModelConfig, build_model, causal_lm_loss
 
 SHAPES = ((1024, 1024), (1024, 2048), (1024, 4096), (1024, 8192))
 RESULTS = pathlib.Path(__file__).parent / "results"

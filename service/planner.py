@@ -22,9 +22,9 @@ import torch
 
 import dmuon
 
-from .dtypes import DTYPES
-from .models import build_model, muon_predicate
 from .spec import JobSpec, parse_spec
+from .train.dtypes import DTYPES
+from .train.models import build_model, muon_predicate
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
 # direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.

@@ -32,7 +32,7 @@ from pydantic import (
 
 from .model_config import PRESETS, ModelConfig
 
-# dtype names of the spec; the worker maps them to torch dtypes (service.dtypes)
+# dtype names of the spec; the worker maps them to torch dtypes (service.train.dtypes)
 DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 MAX_SEED = 2**32 - 1  # the data order is seeded with seed * 1_000_003 + step in int64
 MAX_DATA_BYTES = 256 << 20  # a text corpus is read whole by every worker

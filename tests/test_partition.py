@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 LIMITS = {("llama3-8b", 8): 1.01, ("llama3-70b", 8): 1.01, ("llama3-70b", 64): 1.01,
           ("llama3-8b", 64): 1.08}

@@ -48,7 +48,7 @@ def _records(storage, job_id):
 
 
 def _run(storage, job_id, fault=None):
-    from service.entrypoint import run_job
+    from service.train.entrypoint import run_job
 
     params = os.path.join(storage, f"{job_id}.params.pt")
     if fault:
@@ -106,7 +106,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
     proc = subprocess.run(
         [RAY, "job", "submit", "--working-dir", ROOT,
          "--runtime-env-json", json.dumps(runtime_env), "--",
-         sys.executable, "-m", "service.entrypoint", "--spec", str(spec),
+         sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec),
          "--plan", str(tmp_path / "plan.json"), "--storage", storage,
          "--job-id", "submitted"],
         env=env, capture_output=True, text=True, timeout=300)
@@ -132,7 +132,7 @@ def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_
                          None, 4)  # planned on 2 assumed nodes; the head is 1 node
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     proc = subprocess.run(
-        [sys.executable, "-m", "service.entrypoint", "--spec", str(spec), "--plan",
+        [sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec), "--plan",
          str(tmp_path / "plan.json"), "--storage", str(tmp_path)],
         env={**os.environ, "RAY_ADDRESS": head.address}, capture_output=True, text=True,
         timeout=300, cwd=ROOT)
@@ -191,7 +191,7 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage):
     try:
         cluster.add_node(num_cpus=2)
         ray.init(address=cluster.address, log_to_driver=False)
-        from service.entrypoint import run_job
+        from service.train.entrypoint import run_job
 
         spec = parse_spec({**SPEC, "layout": {}})  # auto: 2 nodes x 2 workers
         params_path = os.path.join(storage, "two_nodes.params.pt")
@@ -290,7 +290,7 @@ def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeyp
 
     from service.api import runner as runner_module
 
-    monkeypatch.setattr(runner_module, "ENTRYPOINT", ("python", "-m", "service.entrypoint"))
+    monkeypatch.setattr(runner_module, "ENTRYPOINT", ("python", "-m", "service.train.entrypoint"))
     monkeypatch.setenv("DMUON_API_TOKEN", "the-admin-token")
     job = {"id": "dmuon-0123456789ab", "spec": {"name": "x"}, "plan": {}}
     argv = shlex.split(runner.command(job, "job-token"))

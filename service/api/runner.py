@@ -25,7 +25,7 @@ from .store import JobStore
 
 INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
-ENTRYPOINT = (sys.executable, "-m", "service.entrypoint")
+ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 
 

@@ -18,10 +18,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon
 
-from .data import batch_at, load_corpus, load_text_corpus
+from ..spec import JobSpec, parse_spec
+from .corpus import batch_at, load_corpus, load_text_corpus
 from .dtypes import DTYPES, muon_kwargs
 from .models import build_model, causal_lm_loss, init_builtin, muon_predicate
-from .spec import JobSpec, parse_spec
 
 
 def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:

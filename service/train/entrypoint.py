@@ -1,6 +1,6 @@
-"""Run a job spec on Ray Train: ``python -m service.entrypoint --spec job.yaml``.
+"""Run a job spec on Ray Train: ``python -m service.train.entrypoint --spec job.yaml``.
 
-Works under ``ray job submit --address ... --working-dir . -- python -m service.entrypoint
+Works under ``ray job submit --address ... --working-dir . -- python -m service.train.entrypoint
 --spec job.yaml`` (it attaches to the cluster the job runs on) and on its own (it then
 starts a local Ray on 127.0.0.1). With ``--plan`` (the control plane's jobs) it runs the
 plan stored with the job, after checking that the live cluster can still hold it;
@@ -33,8 +33,8 @@ if not os.environ.get("RAY_ADDRESS"):
 
 from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
-from .planner import PlacementError, check_fits, inventory_from_ray, predict  # noqa: E402
-from .spec import SpecError, load_spec, resolve_data_source  # noqa: E402
+from ..planner import PlacementError, check_fits, inventory_from_ray, predict  # noqa: E402
+from ..spec import SpecError, load_spec, resolve_data_source  # noqa: E402
 
 
 class MetricsCallback(UserCallback):
@@ -113,7 +113,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from . import train
+    from . import loop as train
 
     layout, scaling = layout_to_run(spec, plan)
     job_dir = os.path.join(storage, job_id)
