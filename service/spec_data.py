@@ -17,7 +17,7 @@ TOKEN_SUFFIXES = (".bin", ".npy")
 
 
 class DataSpec(StrictModel):
-    source: DataPath | Literal["builtin"] = Field(
+    source: DataPath = Field(
         "builtin", description="'builtin' (the stdlib corpus, bytes), a text file, or a "
                                "glob of token shards (*.bin, *.npy) under the data root "
                                "(DMUON_DATA_ROOT, default <storage>/data)")

@@ -27,21 +27,18 @@ class PrecisionSpec(StrictModel):
     compute in (and what the all-gathers move), ``reduce_dtype`` what gradients are
     reduced in (FSDP2's MixedPrecisionPolicy, handed to DMuon too)."""
 
-    master_dtype: Literal["float32", "float64"] = "float32"
+    master_dtype: DtypeName = "float32"
     param_dtype: DtypeName | None = Field(None, description="null: master_dtype")
     reduce_dtype: DtypeName | None = Field(None, description="null: param_dtype")
 
     @model_validator(mode="before")
     @classmethod
     def _shorthand(cls, data: Any):
-        # `precision: float64` (the former whole-model field) is the same dtype everywhere
+        # `precision: bfloat16` (the former whole-model field): that dtype everywhere
         if isinstance(data, str):
             if data not in ("float32", "float64", "bfloat16"):
                 raise ValueError("float32, float64, bfloat16 or {master_dtype, "
                                  "param_dtype, reduce_dtype}")
-            if data == "bfloat16":
-                return {"master_dtype": "float32", "param_dtype": "bfloat16",
-                        "reduce_dtype": "float32"}
             return {"master_dtype": data}
         return data
 

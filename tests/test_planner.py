@@ -70,6 +70,7 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
     elt = 2  # bfloat16
     for mode, passes in (("z2", 2), ("z3", 3)):
         spec = parse_spec({"model": model, "precision": "bfloat16", "dmuon": {"mode": mode},
+                           "clip_grad_norm": None,  # its all-reduce: tests/test_modes.py
                            **GPU})
         placement = predict(spec, synthetic_inventory(nodes, 8))
         assert (placement.replicate, placement.shard) == (nodes, 8)
@@ -103,7 +104,7 @@ def _measure(rank, world, spec_data):
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model, opt = build_training(spec, mesh)
+    model, opt, _ = build_training(spec, mesh)
     corpus = load_corpus("train", max_bytes=200_000)
     for step in range(2):
         rows = batch_at(corpus, step, spec.batch_size * world, spec.seq_len)
@@ -118,7 +119,7 @@ def _measure(rank, world, spec_data):
 def test_predictions_equal_what_workers_measure(mode):
     from service.local import run
 
-    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
+    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode}, "clip_grad_norm": None,
             "layout": {"replicate": 2, "shard": 2}, "batch_size": 2, "seq_len": 16}
     placement = predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=4))
     for rank, (memory, ledger) in enumerate(run(_measure, data)):
