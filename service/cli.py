@@ -125,6 +125,8 @@ def export(job_id: str, wait: bool, poll_s: float = 1.0) -> int:
         time.sleep(poll_s)
         status = request("GET", f"/v1/jobs/{job_id}/export?submission_id="
                                 f"{answer['submission_id']}")["status"]
+    if wait and status != "SUCCEEDED":
+        print(f"export {answer['submission_id']}: {status}", file=sys.stderr)
     return 0 if not wait or status == "SUCCEEDED" else 1
 
 

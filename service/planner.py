@@ -404,7 +404,9 @@ def main(argv=None) -> None:
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     ap.add_argument("--mode", choices=("auto", "z2", "z3"), default="auto")
-    ap.add_argument("--precision", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--master-dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per GPU")
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--device-memory-gb", type=float, default=DEFAULT_GPU_GB)
@@ -413,7 +415,9 @@ def main(argv=None) -> None:
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
     args = ap.parse_args(argv)
-    spec = parse_spec({"model": args.model, "precision": args.precision,
+    precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
+                 "reduce_dtype": args.reduce_dtype}
+    spec = parse_spec({"model": args.model, "precision": precision,
                        "batch_size": args.batch_size, "seq_len": args.seq_len,
                        "activation_checkpointing":
                            "non_reentrant" if args.activation_checkpointing else "none",

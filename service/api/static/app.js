@@ -143,10 +143,32 @@ function drawMetrics() {
   const job = state.job;
   const steps = [...job.steps.keys()].sort((a, b) => a - b);
   const mean = (recs) => recs.reduce((s, r) => s + r.loss, 0) / recs.length;
+  const first = (s, key) => job.steps.get(s).find((r) => r[key] != null)?.[key] ?? null;
+  const valSteps = steps.filter((s) => first(s, "val_loss") != null);
   Plotly.react("loss-chart", [{
     type: "scatter", mode: "lines+markers", name: "loss", x: steps,
     y: steps.map((s) => mean(job.steps.get(s))),
+  }, {
+    type: "scatter", mode: "lines+markers", name: "val loss", x: valSteps,
+    y: valSteps.map((s) => first(s, "val_loss")),
   }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
+  Plotly.react("throughput-chart", [{
+    type: "scatter", mode: "lines", name: "tokens/s (all ranks)", x: steps,
+    y: steps.map((s) => first(s, "tokens_per_s_total")),
+  }, {
+    type: "scatter", mode: "lines", name: "MFU", x: steps, yaxis: "y2",
+    y: steps.map((s) => first(s, "mfu")),
+  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
+  CHART);
+  const lrKinds = [...new Set(steps.flatMap((s) => Object.keys(first(s, "lr") || {})))];
+  Plotly.react("lr-chart", [...lrKinds.map((kind) => ({
+    type: "scatter", mode: "lines", name: `lr ${kind}`, x: steps,
+    y: steps.map((s) => (first(s, "lr") || {})[kind] ?? null),
+  })), {
+    type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
+    y: steps.map((s) => first(s, "grad_norm")),
+  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
+  CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
