@@ -119,7 +119,8 @@ def _measure(rank, world, spec_data):
 def test_predictions_equal_what_workers_measure(mode):
     from service.local import run
 
-    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode}, "clip_grad_norm": None,
+    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
+            "clip_grad_norm": None,  # this loop leaves clipping out (tests/test_modes.py)
             "layout": {"replicate": 2, "shard": 2}, "batch_size": 2, "seq_len": 16}
     placement = predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=4))
     for rank, (memory, ledger) in enumerate(run(_measure, data)):

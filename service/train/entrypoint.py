@@ -130,6 +130,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     from . import loop as train
 
     job_dir = os.path.join(storage, job_id)
+    inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"))
     plan = plan_to_run(spec, plan, inputs["model"])
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
