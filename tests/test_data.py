@@ -65,13 +65,14 @@ def test_prepare_writes_every_document_tokenized_in_order(prepared):
         want = np.concatenate([tok.encode(d, add_special_tokens=False).ids + [eot]
                                for d in picked])
         assert np.array_equal(got, want)
-        assert all(describe(str(p)).tokens <= 2000 for p in paths) and len(paths) > 1
+        assert all(describe(str(p)).tokens <= 2000 for p in paths)
+        assert len(paths) > 1 or split == "val"  # 30 documents fit one shard
         assert meta["tokens"][split] == want.size
     assert meta["vocab_size"] == tok.get_vocab_size() and meta["dtype"] == "uint16"
 
 
 def test_sampler_is_a_pure_function_of_seed_and_step(prepared):
-    root, _, _ = prepared
+    root, _, meta = prepared
     spec = parse_spec({"model": "tiny", "seq_len": 32, "data": {
         "source": "shards/train_*.bin", "val_source": "shards/val_*.bin"}})
     inputs = resolve_inputs(spec, str(root / "data"))
@@ -85,7 +86,7 @@ def test_sampler_is_a_pure_function_of_seed_and_step(prepared):
     for row in a:  # every window is a contiguous run of one shard's tokens
         starts = np.flatnonzero(flat[:-32] == row[0])
         assert any(np.array_equal(flat[s:s + 33], row) for s in starts)
-    assert inputs["data"]["vocab"] == 120  # from prepare's meta.json
+    assert inputs["data"]["vocab"] == meta["vocab_size"]  # from prepare's meta.json
 
 
 def _rss_after_training(rank, world, spec_data, inputs):
@@ -131,6 +132,8 @@ def test_workers_read_shards_memory_mapped_rss_flat_with_a_1gb_set(tmp_path):
     big_size, big = growth["1 GB"]
     small_size, small = growth["small"]
     assert big_size >= 1 << 30 and small_size <= 4 << 20
+    print(f"peak RSS growth per rank, MiB: 1 GB set {[b >> 20 for b in big]}, "
+          f"{small_size >> 20} MiB set {[b >> 20 for b in small]}")
     for rank in range(4):  # a whole read of the set would add 1 GB per worker
         assert big[rank] - small[rank] < 32 << 20, (rank, big[rank], small[rank])
 
@@ -144,7 +147,7 @@ def _refused(spec: dict, root: str) -> str:
 def test_bad_paths_and_sizes_name_their_field(tmp_path):
     root = str(tmp_path)
     os.makedirs(tmp_path / "d")
-    write_shard(str(tmp_path / "d" / "short.bin"), np.arange(40, dtype=np.uint16))
+    write_shard(str(tmp_path / "d" / "short.bin"), np.arange(30, dtype=np.uint16))
     write_shard(str(tmp_path / "d" / "ok.bin"), np.arange(4000, dtype=np.uint16) % 250)
     (tmp_path / "d" / "bad_header.bin").write_bytes(
         open(tmp_path / "d" / "ok.bin", "rb").read()[:-2])
@@ -164,8 +167,8 @@ def test_bad_paths_and_sizes_name_their_field(tmp_path):
         ({"model": {"hf": "cfg.json"}, "seq_len": 32, "data": {"source": "d/ok.bin"}},
          "data.source"),  # ids up to 249, vocab 128
         ({"model": {"hf": "cfg.json"}, "seq_len": 33}, "seq_len"),
-        ({"model": {"hf": "nothing/"}}, "model.hf"),
-        ({"model": {"hf": "cfg.json", "weights": "d"}}, "model.weights"),
+        ({"model": {"hf": "nothing/"}, "seq_len": 16}, "model.hf"),
+        ({"model": {"hf": "cfg.json", "weights": "d"}, "seq_len": 16}, "model.weights"),
     ]
     for spec, field in cases:
         assert _refused(spec, root) == field, spec
