@@ -24,8 +24,9 @@ import torch
 import dmuon
 
 from .mode_choice import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
-from .spec import JobSpec, parse_spec
+from .spec import JobSpec, SpecError, parse_spec
 from .train.dtypes import DTYPES
+from .train.recipe import micro_batches
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
 # direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
@@ -323,6 +324,10 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     from dmuon import cost
 
     n_nodes, R, N = layout or choose_layout(nodes, spec)
+    try:  # refused here, before any worker starts
+        micro_batches(spec, R * N)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
     bw = {**BANDWIDTH, **(bandwidth or {})}
     model, split, plan = _model_and_plan(spec, model_inputs, R, N)
     elt, master, reduce = _bytes_of(spec)

@@ -203,6 +203,7 @@ def _bad_specs(data: str) -> list[tuple[dict, str]]:
         ({"model": {"hf": "models/llama", "weights": "models"}}, "spec.model.weights"),
         ({**base, "model": "tiny", "dmuon": {"muon_params": r"lm_head\.weight"}},
          "spec.dmuon.muon_params"),
+        ({**base, "batch_size": 2, "global_batch_tokens": 300}, "spec.global_batch_tokens"),
     ]
 
 

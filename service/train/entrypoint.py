@@ -228,7 +228,7 @@ def main(argv=None) -> int:
     except PlacementError as e:
         print(f"error: layout refused: {e}", file=sys.stderr)
         return 2
-    except ParamRuleError as e:
+    except (ParamRuleError, SpecError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure

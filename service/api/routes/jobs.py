@@ -61,7 +61,7 @@ def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> di
         return plan_document(spec, cluster, state.settings.local_cpus, model_inputs)
     except PlacementError as e:
         raise HTTPException(422, [{"field": field, "message": str(e)}]) from None
-    except ParamRuleError as e:
+    except (ParamRuleError, SpecError) as e:
         raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
     finally:
         state.plans.release()
