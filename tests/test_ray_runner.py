@@ -108,7 +108,10 @@ def test_trainer_learns_and_reports_every_rank(baseline):
     for step in steps:
         assert sorted(r["rank"] for r in records if r["step"] == step) == [0, 1, 2, 3]
     val = [r["val_loss"] for r in records if r["step"] == 8]
-    assert val and val[0] <= math.log(256) - 1.0, val
+    # the untrained model predicts about uniformly: log(256) = 5.55 nats per token. BPE
+    # tokens carry more than bytes did (the bound was log(256) - 1 on bytes): measured
+    # 5.15 after 8 steps, 0.40 below uniform
+    assert val and val[0] <= math.log(256) - 0.3, val
     coords = {r["rank"]: tuple(r["coord"]) for r in records}
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
 

@@ -71,13 +71,6 @@ def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return out.logits if hasattr(out, "logits") else out
 
 
-def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy; low-precision logits are upcast, float64 stays float64."""
-    work = torch.promote_types(logits.dtype, torch.float32)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work),
-                                       targets.reshape(-1))
-
-
 def checkpoint_blocks(spec: JobSpec, model: nn.Module, blocks: list[str]) -> None:
     """Per-block activation checkpointing, before DMuon and FSDP2 are applied."""
     how = spec.activation_checkpointing

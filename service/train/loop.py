@@ -16,12 +16,13 @@ import dmuon
 
 from ..spec import JobSpec, parse_spec
 from . import checkpoints, recipe
-from .build import build_on_meta, causal_lm_loss, checkpoint_blocks, init_rule, logits_of
+from .build import build_on_meta, checkpoint_blocks, init_rule, logits_of
 from .data import Batches
 from .dtypes import DTYPES, muon_kwargs
 from .export import export
 from .mesh import build_mesh, device
 from .metrics import flops_per_token, peak_flops, step_record
+from .models import causal_lm_loss
 from .params import find_blocks, split_params
 from .weights import load_weights
 
