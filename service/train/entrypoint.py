@@ -1,13 +1,15 @@
 """Run a job spec on Ray Train: ``python -m service.train.entrypoint --spec job.yaml``.
 
-Works under ``ray job submit --address ... --working-dir . -- python -m service.train.entrypoint
---spec job.yaml`` (it attaches to the cluster the job runs on) and on its own (it then
-starts a local Ray on 127.0.0.1). With ``--plan`` (the control plane's jobs) it runs the
-plan stored with the job, after checking that the live cluster can still hold it;
-without, it plans on the cluster it finds. Either way an impossible layout, or a data
-file that is not a regular file under the data root, is refused with the reason before
-any worker starts. Prints one JSON line per step (every rank's record) and a final
-summary; exits non-zero on failure.
+Works under ``ray job submit --address ... --working-dir DIR -- python -m
+service.train.entrypoint --spec job.yaml`` (it attaches to the cluster the job runs on)
+and on its own (it then starts a local Ray on 127.0.0.1). With ``--plan`` (the control
+plane's jobs) it runs the plan stored with the job, after checking that the live cluster
+can still hold it, and completes a plan the control plane deferred (a model only the
+job can import); without, it plans on the cluster it finds. Either way an impossible
+layout, or an input path or size that cannot run (``service.inputs``), is refused with
+the reason before any worker starts. ``--export-only`` exports the newest checkpoint.
+Prints one JSON line per step (every rank's record) and a final summary; exits non-zero
+on failure.
 """
 
 from __future__ import annotations
