@@ -71,7 +71,7 @@ def installed(fault: str):
 def main(argv: list[str]) -> int:
     role, fault, _, *rest = argv
     if role == "entrypoint":
-        from service import entrypoint
+        from service.train import entrypoint
 
         with installed(fault):
             return entrypoint.main(rest)

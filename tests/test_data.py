@@ -174,3 +174,20 @@ def test_bad_paths_and_sizes_name_their_field(tmp_path):
         assert _refused(spec, root) == field, spec
     assert resolve_inputs(parse_spec({**tokens, "data": {"source": "d/ok.bin"}}),
                           root)["data"]["vocab"] == 250  # scanned: largest id + 1
+
+
+def test_npy_shards_and_raw_bin_with_the_spec_dtype(tmp_path):
+    tokens = (np.arange(5000) * 7 % 251).astype(np.uint32)
+    np.save(tmp_path / "a.npy", tokens[:3000])
+    tokens[3000:].tofile(tmp_path / "b.bin")  # raw, no header: the spec names the dtype
+    np.save(tmp_path / "matrix.npy", np.zeros((4, 4), np.int32))
+    spec = parse_spec({"model": "tiny", "seq_len": 32, "data": {
+        "source": "a.npy", "format": "tokens", "val_source": "b.bin", "dtype": "uint32"}})
+    data = resolve_inputs(spec, str(tmp_path))["data"]
+    assert [s["tokens"] for s in data["train"] + data["val"]] == [3000, 2000]
+    assert np.array_equal(tokens_of(describe(data["train"][0]["path"])), tokens[:3000])
+    assert np.array_equal(tokens_of(describe(data["val"][0]["path"], "uint32")), tokens[3000:])
+    assert data["vocab"] == 251
+    with pytest.raises(SpecError, match="^data.source: .*1-D integer array"):
+        resolve_inputs(parse_spec({"model": "tiny", "data": {"source": "matrix.npy"}}),
+                       str(tmp_path))

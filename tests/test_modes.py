@@ -2,9 +2,10 @@
 
 Llama-3 8B and 70B on 1, 8 and 64 GPUs of 80 GB (bf16 compute, fp32 masters and
 reduce, one sequence of 8192 tokens per GPU, activation checkpointing per block) pick
-what the seeds' tree says; and on a CPU run of the mode auto chose, the packed-buffer
-bytes the planner predicts (at the worst hook, and at rest) and its per-step bytes
-(clipping's all-reduce included) equal what the workers measure.
+what the seeds' tree says; and on a CPU run of the mode auto chose (float64, and bf16
+compute with fp32 masters), the packed-buffer bytes the planner predicts (at the worst
+hook, and at rest) and its per-step bytes (clipping's all-reduce included) equal what the
+workers measure.
 """
 
 from __future__ import annotations
@@ -72,12 +73,18 @@ def _measure(rank, world, spec_data, modes, steps=2):
             dmuon.get_ledger(model).last_step_by_phase())
 
 
-@pytest.mark.parametrize("layout,mode", [((2, 2), "z3"), ((2, 4), "z2")])
-def test_predicted_packed_bytes_equal_the_measured_ones_in_the_chosen_mode(layout, mode):
+MIXED = {"master_dtype": "float32", "param_dtype": "bfloat16", "reduce_dtype": "float32"}
+
+
+@pytest.mark.parametrize("layout,mode,precision", [((2, 2), "z3", "float64"),
+                                                   ((2, 4), "z2", "float64"),
+                                                   ((2, 2), "z3", MIXED)])
+def test_predicted_packed_bytes_equal_the_measured_ones_in_the_chosen_mode(layout, mode,
+                                                                          precision):
     from service.local import run
 
     R, N = layout
-    data = {"model": "tiny", "precision": "float64", "batch_size": 2, "seq_len": 16,
+    data = {"model": "tiny", "precision": precision, "batch_size": 2, "seq_len": 16,
             "layout": {"replicate": R, "shard": N}, "clip_grad_norm": 1.0,
             "dmuon": {"mode": "auto", "device_memory_gb": 16.0}}
     placement = predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=R * N))
