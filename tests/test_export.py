@@ -11,7 +11,7 @@ import os
 
 import pytest
 import torch
-from _hf_reference import LLAMA, QWEN3_MOE, RECIPE
+from _hf_reference import QWEN3_MOE, RECIPE
 
 from service.local import run
 
@@ -36,7 +36,9 @@ def _train_export_reload(rank, world, spec_data, root):
     return trained, dmuon.full_state_dict(reloaded), sorted(os.listdir(f"{root}/export"))
 
 
-@pytest.mark.parametrize("config", [LLAMA, QWEN3_MOE], ids=["llama", "qwen3_moe"])
+# Qwen3-MoE: its fused 3-D experts are split across owners and reassembled by export;
+# the Llama job of tests/test_workloads.py loads its export with from_pretrained too
+@pytest.mark.parametrize("config", [QWEN3_MOE], ids=["qwen3_moe"])
 def test_export_loads_with_from_pretrained_and_as_start_weights(tmp_path, config):
     import transformers
 

@@ -97,6 +97,12 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
     got, want = _exported(svc, job["id"]), reference_run(config)
     assert set(got) == set(want)
+    if name == "llama":  # the export is what transformers loads
+        import transformers
+
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(svc.env["DMUON_STORAGE"], job["id"], "export"), dtype=torch.float64)
+        assert all(torch.equal(t, got[k]) for k, t in loaded.state_dict().items())
     for key, value in want.items():
         error = ((got[key] - value).abs().max() / value.abs().max()).item()
         assert error <= 1e-9, (key, error)
