@@ -141,7 +141,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     config = {"spec": spec.model_dump(mode="json"), "replicate": layout["replicate"],
               "shard": layout["shard"], "checkpoint_dir": os.path.join(job_dir, "dcp"),
               "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
-              "modes": {k: plan["modes"][k] for k in ("dmuon", "fsdp")},
+              # plans stored before modes were planned run the spec's own mode
+              "modes": {k: plan["modes"][k] for k in ("dmuon", "fsdp")}
+              if plan.get("modes") else None,
               "return_params": return_params, "export_only": export_only}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(

@@ -134,7 +134,8 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     if export_only:
         if start == 0:
             raise RuntimeError(f"nothing to export: no committed checkpoint in {checkpoint_dir}")
-        return export_model(model, spec, mesh, export_dir) and model
+        export_model(model, spec, mesh, export_dir)
+        return model
     for step in range(start, spec.steps):
         t0 = time.perf_counter()
         lrs = recipe.apply_lr(opt, base_lrs, recipe.lr_factor(spec, step))
