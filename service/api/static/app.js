@@ -80,7 +80,9 @@ function showFacts(job) {
     status: job.status, model: job.spec.model, steps: job.spec.steps,
     layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
     "planned on": plannedOn(p.inventory),
-    imbalance: p.imbalance.toFixed(4), "last step": job.steps?.size || 0,
+    mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
+    imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
+    "last step": job.steps?.size || 0,
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
@@ -95,7 +97,9 @@ function plannedOn(inv) {
 
 function ownedBy(partition) {
   const byRank = partition.ranks.map(() => []);
-  for (const [name, p] of Object.entries(partition.params)) byRank[p.owner].push({ name, ...p });
+  for (const [name, p] of Object.entries(partition.params || {})) {
+    byRank[p.owner].push({ name, ...p });
+  }
   return byRank;
 }
 
@@ -176,7 +180,7 @@ function drawMetrics() {
   })), { margin: MARGIN, xaxis: stepAxis(steps), yaxis: { title: { text: "seconds" } } },
   CHART);
   const latest = [...Array(world).keys()].map((rank) => job.latest.get(rank));
-  if (latest.every(Boolean)) {
+  if (world && latest.every(Boolean)) {  // a deferred plan has no ranks yet
     drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}`);
     const phases = [...new Set(latest.flatMap((r) => Object.keys(r.bytes)))];
     Plotly.react("bytes-chart", phases.map((phase) => ({
