@@ -42,8 +42,8 @@ def train(backend: str, coefficients: str, seed: int, steps: int, batch: int, se
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.data import batch_at, load_corpus
-    from service.models import build_model, causal_lm_loss, muon_predicate
+    from service.train.corpus import batch_at, load_corpus
+    from service.train.models import build_model, causal_lm_loss, muon_predicate
 
     torch.set_num_threads(1)
     _process_group()

@@ -62,8 +62,8 @@ def _worker(rank, world, rounds, steps, batch, seq):
 
     from bench._setups import SETUPS as ALL
     from bench._setups import NSClock, build, take_turns
-    from service.data import batch_at, load_corpus
-    from service.models import causal_lm_loss
+    from service.train.corpus import batch_at, load_corpus
+    from service.train.models import causal_lm_loss
 
     waits, clock = Waits(), NSClock()
     corpus = load_corpus("train", max_bytes=1_000_000)

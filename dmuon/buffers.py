@@ -97,10 +97,14 @@ class Boundary:
         empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
         self.packed = empty(self.numel, self.param_dtype)
         self.column_values = empty(self.column_sizes[self.ctx.shard_rank], self.param_dtype)
-        self.expert_bases = {}
+        # a 3-D param's full shape from its slices: on the meta device the param itself
+        # is a storage-less placeholder of shape (0,) by now
+        experts: dict[int, tuple] = {}
         for m in self.members:
-            if m.experts and id(m.param) not in self.expert_bases:
-                self.expert_bases[id(m.param)] = empty(m.param.shape, self.param_dtype)
+            if m.experts:
+                known = experts.get(id(m.param), (0,))[0]
+                experts[id(m.param)] = (max(known, m.experts[1]), *m.shape[1:])
+        self.expert_bases = {key: empty(shape, self.param_dtype) for key, shape in experts.items()}
         self.masters: dict[str, nn.Parameter] = {}
         for m in self.owned:
             if self.master_dtype == self.param_dtype:

@@ -1,10 +1,12 @@
 """``dmuon-svc``: the control plane from a terminal.
 
-    dmuon-svc submit job.yaml [--follow] [--dry-run]
+    dmuon-svc submit job.yaml [--follow] [--dry-run] [--working-dir DIR|gcs://...zip]
     dmuon-svc status [JOB_ID]
     dmuon-svc logs [-f] JOB_ID
     dmuon-svc cancel JOB_ID
     dmuon-svc plan job.yaml
+    dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
+    dmuon-svc prepare --tokenizer tokenizer.json --out DIR FILES...   (local, no service)
 
 The service is at ``DMUON_URL`` (default http://127.0.0.1:8000); ``DMUON_API_TOKEN`` is
 sent as the bearer token.
@@ -20,21 +22,27 @@ import time
 
 import requests
 
+from .packages import RAY_URI, PackageError, zip_directory
 from .spec import SpecError, load_spec
+from .train.prepare import add_arguments as prepare_args
+from .train.prepare import run as run_prepare
 
 
 class ServiceError(RuntimeError):
     pass
 
 
-def request(method: str, path: str, body=None, *, stream=False):
+def request(method: str, path: str, body=None, *, stream=False, data=None, content_type=None):
     """The service's answer (parsed JSON, or text), or the open response with
     ``stream``; ``DMUON_API_TOKEN`` goes as the bearer token."""
     url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
     token = os.environ.get("DMUON_API_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    if content_type:
+        headers["Content-Type"] = content_type
     try:
-        resp = requests.request(method, url, json=body, headers=headers, stream=stream,
+        resp = requests.request(method, url, json=body, data=data, headers=headers,
+                                stream=stream,
                                 timeout=(10, None if stream else 60))
     except requests.RequestException as e:
         raise ServiceError(f"cannot reach {url}: {e}") from None
@@ -80,7 +88,13 @@ def main(argv=None) -> int:
     p.add_argument("spec")
     p.add_argument("--follow", action="store_true")
     p.add_argument("--dry-run", action="store_true")
+    p.add_argument("--working-dir", default=None,
+                   help="a directory to upload with the job (its code), or a Ray package URI")
     sub.add_parser("status").add_argument("job_id", nargs="?")
+    p = sub.add_parser("export")
+    p.add_argument("job_id")
+    p.add_argument("--no-wait", action="store_true")
+    prepare_args(sub.add_parser("prepare", help="tokenize text/JSONL into token shards"))
     p = sub.add_parser("logs")
     p.add_argument("job_id")
     p.add_argument("-f", "--follow", action="store_true")
@@ -89,14 +103,42 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run(args)
-    except (ServiceError, SpecError, OSError) as e:
+    except (ServiceError, SpecError, PackageError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
+def working_dir(reference: str) -> str:
+    """An uploaded package id for a local directory; a Ray URI as it is."""
+    if RAY_URI.match(reference):
+        return reference
+    answer = request("POST", "/v1/packages", data=zip_directory(reference),
+                     content_type="application/zip")
+    return answer["id"]
+
+
+def export(job_id: str, wait: bool, poll_s: float = 1.0) -> int:
+    answer = request("POST", f"/v1/jobs/{job_id}/export")
+    print(answer["path"])
+    status = None
+    while wait and status not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        time.sleep(poll_s)
+        status = request("GET", f"/v1/jobs/{job_id}/export?submission_id="
+                                f"{answer['submission_id']}")["status"]
+    if wait and status != "SUCCEEDED":
+        print(f"export {answer['submission_id']}: {status}", file=sys.stderr)
+    return 0 if not wait or status == "SUCCEEDED" else 1
+
+
 def _run(args) -> int:
+    if args.cmd == "prepare":
+        return run_prepare(args)
+    if args.cmd == "export":
+        return export(args.job_id, not args.no_wait)
     if args.cmd in ("submit", "plan"):
         spec = load_spec(args.spec).model_dump(mode="json")
+        if getattr(args, "working_dir", None):
+            spec["working_dir"] = working_dir(args.working_dir)
         if args.cmd == "plan":
             print(json.dumps(request("POST", "/v1/plan", spec)["layout"]))
             return 0

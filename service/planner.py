@@ -17,14 +17,16 @@ import json
 import math
 import threading
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
 import dmuon
 
-from .dtypes import DTYPES
-from .models import build_model, muon_predicate
-from .spec import JobSpec, parse_spec
+from .mode_choice import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
+from .spec import JobSpec, SpecError, parse_spec
+from .train.dtypes import DTYPES
+from .train.recipe import micro_batches
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
 # direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
@@ -140,14 +142,15 @@ def check_fits(layout: dict, spec: JobSpec, nodes: list[NodeInfo]) -> None:
             f"can hold {per_node} workers")
 
 
-def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
+def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                  model_inputs: dict | None = None) -> dict:
     """``_plan_document`` for this spec and cluster, computed once: submissions come in
     bursts of the same spec (retries, sweeps), and a plan builds a model."""
-    key = (spec.model_dump_json(), repr(cluster), assumed_cpus)
+    key = (spec.model_dump_json(), repr(cluster), assumed_cpus, json.dumps(model_inputs))
     with _PLANS_LOCK:
         cached = _PLANS.get(key)
     if cached is None:
-        cached = json.dumps(_plan_document(spec, cluster, assumed_cpus))
+        cached = json.dumps(_plan_document(spec, cluster, assumed_cpus, model_inputs))
         with _PLANS_LOCK:
             _PLANS[key] = cached
             while len(_PLANS) > 64:
@@ -159,7 +162,8 @@ _PLANS: dict[tuple, str] = {}
 _PLANS_LOCK = threading.Lock()
 
 
-def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int) -> dict:
+def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                   model_inputs: dict | None = None) -> dict:
     """The plan as stored with a job and run by its entrypoint: layout, per-rank
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
@@ -168,21 +172,43 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
         if not cluster:
             raise PlacementError("no Ray cluster attached" if cluster is None else
                                  "the Ray cluster lists no alive node")
-        placement = predict(spec, cluster)
-        inventory = {"source": "cluster", "nodes": len(cluster)}
+        choose_layout(cluster, spec)
+        nodes, inventory = cluster, {"source": "cluster", "nodes": len(cluster)}
     except PlacementError as on_cluster:
-        nodes = spec.layout.nodes if spec.layout.nodes != "auto" else 1
-        placement = predict(spec, synthetic_inventory(nodes, 0, cpus_per_node=assumed_cpus))
-        inventory = {"source": "assumed", "nodes": nodes, "cpus_per_node": assumed_cpus,
+        count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        nodes = synthetic_inventory(count, 0, cpus_per_node=assumed_cpus)
+        inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
                      "reason": str(on_cluster)}
+    try:
+        placement = predict(spec, nodes, model_inputs=model_inputs)
+    except ImportError as e:  # a factory importable only from the job's working_dir
+        return deferred_document(spec, nodes, inventory, f"{type(e).__name__}: {e}")
+    return placement_document(placement, inventory)
+
+
+def placement_document(placement: Placement, inventory: dict) -> dict:
     return {
         "layout": {"replicate": placement.replicate, "shard": placement.shard,
                    "nodes": placement.nodes},
         "inventory": inventory,
+        "modes": placement.modes.to_dict(),
+        "param_groups": placement.split,
         "ranks": [r.__dict__ for r in placement.ranks],
         "partition": placement.plan.to_dict(),
         "scaling": placement.scaling_config_kwargs(),
     }
+
+
+def deferred_document(spec: JobSpec, nodes, inventory: dict, reason: str) -> dict:
+    """The layout alone, for a model only the job's own processes can import: the job's
+    entrypoint completes the plan (partition, mode) once, before any worker starts, and
+    stores it with the job's files."""
+    n_nodes, R, N = choose_layout(nodes, spec)
+    placement = Placement(spec, n_nodes, R, N, None, [])
+    return {"layout": {"replicate": R, "shard": N, "nodes": n_nodes}, "inventory": inventory,
+            "deferred": f"the model cannot be built here ({reason}); the job plans it",
+            "modes": None, "param_groups": None, "ranks": [], "partition": None,
+            "scaling": placement.scaling_config_kwargs()}
 
 
 @dataclass
@@ -205,6 +231,8 @@ class Placement:
     shard: int
     plan: dmuon.DedicationPlan
     ranks: list[RankPrediction]
+    split: dict = field(default_factory=dict)  # which params got Muon, which AdamW
+    modes: ModeChoice | None = None
 
     @property
     def world_size(self) -> int:
@@ -239,7 +267,7 @@ class Placement:
 
     @property
     def z2_packed_bytes(self) -> int:
-        return self.plan.total_elements * DTYPES[self.spec.precision].itemsize
+        return self.plan.total_elements * DTYPES[self.spec.precision.compute].itemsize
 
 
 def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, int]:
@@ -255,34 +283,124 @@ def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, 
     return storage, state
 
 
+def _bytes_of(spec: JobSpec) -> tuple[int, int, int]:
+    """(param, master, reduce) bytes per element under the spec's precision."""
+    p = spec.precision
+    return (DTYPES[p.compute].itemsize, DTYPES[p.master_dtype].itemsize,
+            DTYPES[p.reduce].itemsize)
+
+
+def _clip_bytes(spec: JobSpec, n: int, r: int, master: int) -> dict[str, Fraction]:
+    """clip_grad_norm_'s all-reduce of two squared norms (ledger phase ``step``)."""
+    if spec.clip_grad_norm is None:
+        return {}
+    size = 2 * max(master, 4)
+    out = {"shard": Fraction(2 * (n - 1), n) * size}
+    if r > 1:
+        out["replicate"] = Fraction(2 * (r - 1), r) * size
+    return out
+
+
+def _model_and_plan(spec: JobSpec, model_inputs: dict | None, R: int, N: int):
+    """(model on meta, its Muon/AdamW split, the partition) as the workers will make them."""
+    from .train.build import build_on_meta
+    from .train.params import split_params
+
+    model = build_on_meta(spec, model_inputs or {"kind": "builtin"},
+                          DTYPES[spec.precision.master_dtype])
+    split = split_params(model, muon_params=spec.dmuon.muon_params,
+                         adamw_params=spec.dmuon.adamw_params,
+                         hook_boundaries=spec.dmuon.hook_boundaries)
+    plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
+                           hook_boundary_predicate=split.boundary_predicate(model))
+    return model, split, plan
+
+
 def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
-            inter_link="infiniband", bandwidth=None) -> Placement:
-    """Choose the layout and predict what every rank holds and moves per step (DMuon's
-    share from ``dmuon.cost``, FSDP2's from the padded shards)."""
+            inter_link="infiniband", bandwidth=None, model_inputs: dict | None = None,
+            layout: tuple[int, int, int] | None = None) -> Placement:
+    """Choose the layout and the mode, and predict what every rank holds and moves per
+    step (DMuon's share from ``dmuon.cost``, FSDP2's from the padded shards)."""
     from dmuon import cost
 
-    n_nodes, R, N = choose_layout(nodes, spec)
+    n_nodes, R, N = layout or choose_layout(nodes, spec)
+    try:  # refused here, before any worker starts
+        micro_batches(spec, R * N)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
     bw = {**BANDWIDTH, **(bandwidth or {})}
-    model = build_model(spec.llama_config(), device="meta")
-    plan = dmuon.partition(model, predicate=muon_predicate, shard_size=N, replicate_size=R)
-    elt = DTYPES[spec.precision].itemsize
-    z3 = spec.dmuon.mode == "z3"
-    others = [tuple(p.shape) for n, p in model.named_parameters() if not muon_predicate(n, p)]
+    model, split, plan = _model_and_plan(spec, model_inputs, R, N)
+    elt, master, reduce = _bytes_of(spec)
+    others = [tuple(p.shape) for n, p in model.named_parameters() if not split.predicate(n)]
+    modes = choose_mode(spec, model, split, plan, others, nodes, N)
+    z3 = modes.dmuon == "z3"
     peak = cost.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
+    clip = _clip_bytes(spec, N, R, master)
     ranks = []
     for rank in range(R * N):
         r, s = divmod(rank, N)
-        fsdp, adamw = _fsdp_bytes(others, N, s, elt)
-        ledger = cost.ledger_prediction(plan, rank, z3=z3, param_bytes=elt, reduce_bytes=elt)
+        fsdp, adamw = _fsdp_bytes(others, N, s, master)
+        ledger = cost.ledger_prediction(plan, rank, z3=z3, param_bytes=elt, reduce_bytes=reduce)
+        for dim, extra in clip.items():
+            ledger[dim]["step"] = _exact(ledger[dim].get("step", 0) + extra)
         memory = {**cost.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
-                                           master_bytes=elt),
+                                           master_bytes=master),
                   "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = (sum(ledger["shard"].values()) / bw[intra_link if N > 1 else "loopback"]
                    + sum(ledger.get("replicate", {}).values()) / bw[inter_link])
         ranks.append(RankPrediction(rank, (r, s), plan.elements_per_rank[rank],
                                     plan.ns_flops_per_rank[rank], memory, peak, ledger,
                                     seconds))
-    return Placement(spec, n_nodes, R, N, plan, ranks)
+    return Placement(spec, n_nodes, R, N, plan, ranks, split.to_dict(), modes)
+
+
+def _exact(value) -> int | float:
+    value = Fraction(value)
+    return int(value) if value.denominator == 1 else float(value)
+
+
+def device_bytes(spec: JobSpec, nodes: list[NodeInfo], per_node: int) -> int:
+    """The memory of one worker's device: the spec's, 80 GB per GPU worker, else the
+    node's memory shared by its workers (Ray's ``memory`` resource)."""
+    if spec.dmuon.device_memory_gb is not None:
+        return int(spec.dmuon.device_memory_gb * GB)
+    if spec.resources_per_worker.GPU:
+        return int(DEFAULT_GPU_GB * GB)
+    memory = min((n.resources.get("memory", 0) for n in nodes), default=0)
+    return int(memory / max(1, per_node)) if memory else int(DEFAULT_CPU_GB * GB)
+
+
+def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int) -> ModeChoice:
+    """The mode to run (``auto``: the seeds' tree on one rank's worst-case memory)."""
+    from dmuon import cost
+
+    elt, master, _ = _bytes_of(spec)
+    world = plan.world_size
+    embed = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    act = activation_bytes(tokens=spec.batch_size * spec.seq_len,
+                           hidden=embed.embedding_dim if embed else 0,
+                           layers=len(split.fsdp_units),
+                           vocab=embed.num_embeddings if embed else 0, elt=elt,
+                           checkpointed=spec.activation_checkpointing != "none")
+    gathered_others = sum(math.prod(s) for s in others) * elt
+    totals = {}
+    for z3 in (False, True):
+        peak = cost.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
+        worst = 0
+        for rank in range(world):
+            fsdp, adamw = _fsdp_bytes(others, shard, rank % shard, master)
+            held = cost.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
+                                          master_bytes=master)
+            grads = plan.elements_per_rank[rank] * master + fsdp
+            worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
+                        + grads)
+        totals[z3] = worst + peak + gathered_others + act
+    per_node = -(-world // max(1, len(nodes)))
+    params = sum(p.numel() for p in model.parameters())
+    return decide(spec.dmuon.mode, spec.dmuon.fsdp_reshard_after_forward, params=params,
+                  gpus=world, shard=shard, device_bytes=device_bytes(spec, nodes, per_node),
+                  z2_bytes=totals[False], z3_bytes=totals[True],
+                  resident_pm=plan.total_elements * elt)
 
 
 def main(argv=None) -> None:
@@ -290,25 +408,39 @@ def main(argv=None) -> None:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--mode", choices=("z2", "z3"), default="z3")
-    ap.add_argument("--precision", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--mode", choices=("auto", "z2", "z3"), default="auto")
+    ap.add_argument("--master-dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--batch-size", type=int, default=1, help="sequences per GPU")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--device-memory-gb", type=float, default=DEFAULT_GPU_GB)
+    ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
     args = ap.parse_args(argv)
-    spec = parse_spec({"model": args.model, "precision": args.precision,
-                       "dmuon": {"mode": args.mode},
+    precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
+                 "reduce_dtype": args.reduce_dtype}
+    spec = parse_spec({"model": args.model, "precision": precision,
+                       "batch_size": args.batch_size, "seq_len": args.seq_len,
+                       "activation_checkpointing":
+                           "non_reentrant" if args.activation_checkpointing else "none",
+                       "dmuon": {"mode": args.mode, "device_memory_gb": args.device_memory_gb},
                        "resources_per_worker": {"CPU": 1, "GPU": 1}})
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
                         bandwidth={"nvlink": args.nvlink_gbps * 1e9,
                                    "infiniband": args.ib_gbps * 1e9})
     table = placement.table().splitlines()
     print("\n".join(table[:2 + args.ranks] if args.ranks else table))
-    z3 = predict(spec.model_copy(update={"dmuon": spec.dmuon.model_copy(
-        update={"mode": "z3"})}), synthetic_inventory(args.nodes, args.gpus_per_node))
+    m = placement.modes
     print(f"P_M = {placement.plan.total_elements:,} elements; packed buffers per rank: "
           f"Z2 {placement.z2_packed_bytes / 1e9:.2f} GB resident, "
-          f"Z3 {z3.ranks[0].packed_peak / 1e9:.2f} GB peak (one layer)")
+          f"Z3 {placement.ranks[0].packed_peak / 1e9:.2f} GB peak"
+          if m.dmuon == "z3" else f"P_M = {placement.plan.total_elements:,} elements")
+    print(f"mode {m.dmuon.upper()} (FSDP2 {m.fsdp.upper()}): {m.reason}; one rank needs "
+          f"Z2 {m.z2_bytes / GB:.1f} GB, Z3 {m.z3_bytes / GB:.1f} GB of "
+          f"{m.device_bytes / GB:.0f} GB")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.data import batch_at, load_corpus
 from service.local import leave_process_group
-from service.models import build_model, causal_lm_loss, get_config, muon_predicate
+from service.train.corpus import batch_at, load_corpus
+from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
 
 
 def main() -> None:

@@ -6,7 +6,7 @@ entrypoint and service, so production code carries no test hook.
 while ``<dir>/step_<s>`` exists, so a test can inject a fault at an exact step however
 far the metrics lag behind the workers.
 
-    python tests/_faults.py entrypoint FAULT -- <service.entrypoint arguments>
+    python tests/_faults.py entrypoint FAULT -- <service.train.entrypoint arguments>
     python tests/_faults.py serve FAULT -- <dmuon-serve arguments>   (its jobs get FAULT)
 """
 
@@ -39,7 +39,7 @@ def faulty_loop(config: dict, fault: str) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from service import train
+    from service.train import loop as train
 
     report = ray.train.report
 
@@ -53,10 +53,10 @@ def faulty_loop(config: dict, fault: str) -> None:
 
 @contextlib.contextmanager
 def installed(fault: str):
-    """While open, ``service.entrypoint.run_job`` trains with ``faulty_loop``."""
+    """While open, ``service.train.entrypoint.run_job`` trains with ``faulty_loop``."""
     import ray.cloudpickle
 
-    from service import train
+    from service.train import loop as train
 
     if __name__ != "__main__":  # workers cannot import tests/: ship this module's code
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -71,7 +71,7 @@ def installed(fault: str):
 def main(argv: list[str]) -> int:
     role, fault, _, *rest = argv
     if role == "entrypoint":
-        from service import entrypoint
+        from service.train import entrypoint
 
         with installed(fault):
             return entrypoint.main(rest)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import dmuon
 from service.local import run
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 STEPS, WORLD, ELT = 10, 4, 8
 VARIANTS = ("reentrant", "non_reentrant", "non_reentrant_no_early_stop", "checkpoint_wrapper")

@@ -329,3 +329,38 @@ def test_the_cli_parses_specs_without_torch(tmp_path):
 def test_strict_json_helper_refuses_nan():
     with pytest.raises(ValueError):
         strict_json("[NaN]")
+
+
+def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
+    from prometheus_client import generate_latest
+
+    from service.api.records import StepRecord, ingest
+    from service.api.routes.system import registry_for
+    from service.api.store import JobStore
+
+    store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
+    try:
+        job_id = store.create_job("p", {"name": "p"}, dry_run=False, plan={})[0]["id"]
+        store.claim_next(1, "h")
+        assert store.mark_submitted(job_id)  # RUNNING
+        records = [StepRecord(job_id=job_id, step=step, rank=rank, loss=3.0 - step,
+                              tokens_per_s=100.0 + rank, tokens_per_s_total=410.0,
+                              mfu=0.25, grad_norm=1.5, lr={"muon": 0.02 * step,
+                                                           "adamw": 0.001},
+                              val_loss=2.5 if step == 2 else None)
+                   for step in (1, 2) for rank in (0, 1)]
+        ingest(store, job_id, records, "post")
+        text = generate_latest(registry_for(store)).decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                      if line.startswith("dmuon_job"))
+        label = f'job="{job_id}"'
+        assert float(values[f"dmuon_job_step{{{label}}}"]) == 2  # the newest step only
+        assert float(values[f"dmuon_job_loss{{{label}}}"]) == 1.0
+        assert float(values[f"dmuon_job_val_loss{{{label}}}"]) == 2.5
+        assert float(values[f"dmuon_job_tokens_per_s_total{{{label}}}"]) == 410.0
+        assert float(values[f'dmuon_job_tokens_per_s{{{label},rank="1"}}']) == 101.0
+        assert float(values[f"dmuon_job_mfu{{{label}}}"]) == 0.25
+        assert float(values[f"dmuon_job_grad_norm{{{label}}}"]) == 1.5
+        assert float(values[f'dmuon_job_lr{{group="muon",{label}}}']) == 0.04
+    finally:
+        store.close()

@@ -216,7 +216,8 @@ def test_validators_reject_broken_manifests(rendered):
 @pytest.mark.parametrize("tree", TREES)
 def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path,
                                                          monkeypatch):
-    from service import entrypoint, spec
+    from service import spec
+    from service.train import entrypoint
 
     docs = rendered[tree]
     cluster, job = _one(docs, "RayCluster"), _one(docs, "RayJob")

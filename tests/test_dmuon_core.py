@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon
 from service.local import run
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 STEPS, WORLD, ELT = 10, 4, 8  # float64
 MODES = {"z2": False, "z3": True}

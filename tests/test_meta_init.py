@@ -15,9 +15,9 @@ from torch.profiler import ProfilerActivity, profile
 import dmuon
 from dmuon import cost
 from service.local import run
-from service.models import ModelConfig, build_model, get_config, init_builtin, muon_predicate
 from service.planner import predict, synthetic_inventory
 from service.spec import parse_spec
+from service.train.models import ModelConfig, build_model, get_config, init_builtin, muon_predicate
 
 SEED = 7
 # 0.51 B parameters: 18 layers of 4 x 1536^2 attention and 3 x 1536 x 4096 MLP matrices

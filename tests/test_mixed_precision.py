@@ -29,7 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 import dmuon
 from dmuon import cost
 from service.local import run
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 STEPS, WORLD = 10, 4
 MUON = dict(HPARAMS, ns_backend="standard", ns_dtype=torch.float32)

@@ -31,7 +31,7 @@ def _loopback(rank, world, spec_data):
 
     import dmuon
     from service.spec import parse_spec
-    from service.train import run_training
+    from service.train.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = run_training(parse_spec(spec_data), mesh, report=lambda record, path: None)

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from service.local import run
-from service.models import ModelConfig, build_model, muon_predicate
+from service.train.models import ModelConfig, build_model, muon_predicate
 
 LAYERS = 4
 CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2,

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from service.local import run
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 STEPS, SAVE_AT, WORLD = 10, 5, 4
 H = HPARAMS

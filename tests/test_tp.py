@@ -11,7 +11,7 @@ from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, refe
 
 import dmuon
 from service.local import run
-from service.models import build_model, get_config, muon_predicate
+from service.train.models import build_model, get_config, muon_predicate
 
 STEPS, DP, TP = 10, 2, 2
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",

@@ -20,7 +20,7 @@ from sqlalchemy.exc import DBAPIError
 
 from ..spec import field_path
 from .dashboard import mount_dashboard
-from .routes import jobs, metrics, streams, system
+from .routes import jobs, metrics, packages, streams, system
 from .settings import Settings
 from .store import JobStore
 
@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(DBAPIError, _store_failed)
     for router in (system.public, system.reads, jobs.admin, jobs.reads, metrics.job_posts,
-                   metrics.reads, streams.reads, streams.admin):
+                   metrics.reads, streams.reads, streams.admin, packages.admin):
         app.include_router(router)
     mount_dashboard(app)
     return app

@@ -35,7 +35,11 @@ class StepRecord(BaseModel):
     loss: Number = None
     val_loss: Number = None
     step_time_s: Number = None
-    tokens_per_s: Number = None
+    tokens_per_s: Number = None  # this rank's
+    tokens_per_s_total: Number = None  # every rank's tokens over this rank's step time
+    mfu: Number = None  # model FLOPs utilisation against the spec's (or the GPU's) peak
+    grad_norm: Number = None  # before clipping
+    lr: dict[text(16), Number] = Field(default_factory=dict, max_length=8)  # per group kind
     bytes: dict[text(64), Count | float] = Field(default_factory=dict, max_length=64)
     memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)
     rss_bytes: Count | None = None
@@ -50,7 +54,8 @@ class StepRecord(BaseModel):
         equal records give equal text, which is how the spool recognises its own."""
         data = self.model_dump()
         bad = [k for k, v in data.items() if _nonfinite(v)]
-        bad += [f"bytes.{k}" for k, v in data["bytes"].items() if _nonfinite(v)]
+        bad += [f"{group}.{k}" for group in ("bytes", "lr") for k, v in data[group].items()
+                if _nonfinite(v)]
         for name in bad:
             group, _, key = name.rpartition(".")
             (data[group] if group else data)[key] = None

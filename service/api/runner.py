@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 
+from ..packages import PackageError, runtime_working_dir
 from ..planner import NodeInfo, inventory_from_dashboard
 from .guard import token_hash
 from .records import read_spool, spool_path
@@ -25,7 +26,7 @@ from .store import JobStore
 
 INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
-ENTRYPOINT = (sys.executable, "-m", "service.entrypoint")
+ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 
 
@@ -126,10 +127,13 @@ class RayJobRunner:
         if job is None:
             return False
         try:
+            runtime_env = self.runtime_env(job)
+        except PackageError as e:  # checked on submission; deleted since
+            self.store.settle(job["id"], "FAILED", str(e))
+            return True
+        try:
             self.client.submit_job(entrypoint=self.command(job, token),
-                                   submission_id=job["id"],
-                                   runtime_env={"env_vars": {k: os.environ[k] for k in
-                                                             FORWARDED_ENV if k in os.environ}})
+                                   submission_id=job["id"], runtime_env=runtime_env)
         except RuntimeError as e:
             if "already exists" not in str(e):
                 self.store.release_claim(job["id"])
@@ -138,6 +142,14 @@ class RayJobRunner:
         if not self.store.mark_submitted(job["id"]):
             self.stop_quietly(job["id"])  # cancelled while we submitted it
         return True
+
+    def runtime_env(self, job: dict) -> dict:
+        """The job's environment on Ray: forwarded variables, and its working_dir (an
+        uploaded package's directory, which Ray's job API uploads, or a Ray URI)."""
+        env = {"env_vars": {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
+        if job["spec"].get("working_dir"):
+            env["working_dir"] = runtime_working_dir(self.storage, job["spec"]["working_dir"])
+        return env
 
     def command(self, job: dict, token: str) -> str:
         """The entrypoint's command line (Ray runs it through a shell: every part quoted).
@@ -158,6 +170,22 @@ class RayJobRunner:
             "--data-root", self.data_root, "--job-id", job["id"],
             "--metrics-url", f"{self.service_url}/v1/jobs/{job['id']}/metrics",
             "--token-file", token_file])
+
+    def submit_export(self, job: dict) -> str:
+        """A Ray job that rebuilds the finished job on its stored plan, loads its newest
+        checkpoint and exports it (``--export-only``); returns its submission id."""
+        job_dir = os.path.join(self.storage, job["id"])
+        submission = f"{job['id']}-export-{secrets.token_hex(4)}"
+        command = shlex.join([
+            *ENTRYPOINT, "--spec", os.path.join(job_dir, "spec.json"),
+            "--plan", os.path.join(job_dir, "plan.json"), "--storage", self.storage,
+            "--data-root", self.data_root, "--job-id", job["id"], "--export-only"])
+        self.client.submit_job(entrypoint=command, submission_id=submission,
+                               runtime_env=self.runtime_env(job))
+        return submission
+
+    def status_of(self, submission_id: str) -> str:
+        return str(self.client.get_job_status(submission_id).value)
 
     def ingest_spool(self, job_id: str, offset: int) -> int:
         """Records the job spooled that are not stored yet (posts can be lost while the

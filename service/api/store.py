@@ -287,6 +287,18 @@ class JobStore:
                 .order_by(metrics.c.step, metrics.c.rank)).all()
         return [{**json.loads(text), "received": received} for text, received in rows]
 
+    def latest_records(self, job_id: str) -> list[dict]:
+        """Every rank's record of the job's newest step ([] before its first)."""
+        with self.reader.connect() as conn:
+            step = conn.execute(select(func.max(metrics.c.step))
+                                .where(metrics.c.job_id == job_id)).scalar()
+            if step is None:
+                return []
+            rows = conn.execute(select(metrics.c.record).where(
+                metrics.c.job_id == job_id, metrics.c.step == step)
+                .order_by(metrics.c.rank)).all()
+        return [json.loads(text) for (text,) in rows]
+
     def metrics_after(self, job_id: str, cursor: int, limit: int = 1000):
         """(id, record) in arrival order after ``cursor``: an event stream's position,
         which no late rank of an earlier step can slip past."""

@@ -3,14 +3,19 @@ a plan without a job."""
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from ...inputs import resolve_inputs, resolve_model
+from ...packages import PackageError, runtime_working_dir
 from ...planner import PlacementError, plan_document
-from ...spec import JobSpec, SpecError, resolve_data_source, text
+from ...spec import JobSpec, SpecError, text
+from ...train.params import ParamRuleError
 from ..guard import JobId, guarded
 from ..schema import STATES
 
@@ -32,7 +37,20 @@ def _job_or_404(store, job_id: str) -> dict:
     return job
 
 
-def _plan(request: Request, spec: JobSpec, field: str) -> dict:
+def _model_inputs(request: Request, spec: JobSpec) -> dict:
+    try:
+        return resolve_model(spec, request.app.state.settings.data_dir())[0]
+    except SpecError as e:
+        raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
+
+
+def _field_of(error: Exception) -> str:
+    """``spec.<field>`` from a message that starts with its field path."""
+    head = str(error).split(":", 1)[0]
+    return f"spec.{head}" if head and " " not in head else "spec"
+
+
+def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> dict:
     """The plan that will run, on the attached cluster's nodes when it fits them now;
     at most ``max_concurrent_plans`` at a time (each builds a model on the meta device)."""
     state = request.app.state
@@ -40,9 +58,11 @@ def _plan(request: Request, spec: JobSpec, field: str) -> dict:
         raise HTTPException(429, "too many plans at once; retry", headers={"Retry-After": "2"})
     try:
         cluster = state.runner.inventory() if state.runner is not None else None
-        return plan_document(spec, cluster, state.settings.local_cpus)
+        return plan_document(spec, cluster, state.settings.local_cpus, model_inputs)
     except PlacementError as e:
         raise HTTPException(422, [{"field": field, "message": str(e)}]) from None
+    except (ParamRuleError, SpecError) as e:
+        raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
     finally:
         state.plans.release()
 
@@ -50,7 +70,7 @@ def _plan(request: Request, spec: JobSpec, field: str) -> dict:
 @admin.post("/v1/plan", max_body_size=SPEC_BYTES)
 def plan(spec: JobSpec, request: Request):
     """The layout and per-rank predictions for a spec, without a job."""
-    return JSONResponse(_plan(request, spec, "layout"))
+    return JSONResponse(_plan(request, spec, "layout", _model_inputs(request, spec)))
 
 
 @admin.post("/v1/jobs", status_code=201, max_body_size=SPEC_BYTES)
@@ -59,13 +79,15 @@ def submit(body: JobSubmission, request: Request, response: Response,
     """A new job (201), or with a repeated ``Idempotency-Key`` the job that key made
     (200); 409 if that key came with another request."""
     state = request.app.state
-    if not body.dry_run:
+    model_inputs = _model_inputs(request, body.spec)
+    if not body.dry_run:  # every path and size, before anything is stored
         try:
-            resolve_data_source(body.spec, state.settings.data_dir())
-        except SpecError as e:
-            raise HTTPException(422, [{"field": "spec.data.source",
-                                       "message": str(e)}]) from None
-    planned = _plan(request, body.spec, "spec.layout")
+            resolve_inputs(body.spec, state.settings.data_dir())
+            if body.spec.working_dir is not None:
+                runtime_working_dir(state.settings.storage, body.spec.working_dir)
+        except (SpecError, PackageError) as e:
+            raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
+    planned = _plan(request, body.spec, "spec.layout", model_inputs)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
         body.spec.name, spec, dry_run=body.dry_run, plan=planned,
@@ -111,5 +133,51 @@ def partition(job_id: JobId, request: Request):
     if found is None:
         raise HTTPException(404, f"no job {job_id!r}")
     planned = found["plan"]
+    if planned.get("partition") is None:  # deferred: the job's entrypoint completed it
+        planned = _completed_plan(request.app.state.settings.storage, job_id) or planned
     return JSONResponse({"layout": planned["layout"], "inventory": planned.get("inventory"),
-                         "ranks": planned["ranks"], **planned["partition"]})
+                         "modes": planned.get("modes"), "param_groups": planned.get("param_groups"),
+                         "deferred": planned.get("deferred"), "ranks": planned["ranks"],
+                         **(planned.get("partition") or {})})
+
+
+def _completed_plan(storage: str, job_id: str) -> dict | None:
+    try:
+        with open(os.path.join(storage, job_id, "plan.json")) as fh:
+            plan = json.load(fh)
+    except (OSError, ValueError):
+        return None
+    return plan if plan.get("partition") is not None else None
+
+
+@admin.post("/v1/jobs/{job_id}/export", status_code=202)
+def export(job_id: JobId, request: Request):
+    """Export a job's newest checkpoint to ``<storage>/<job>/export`` (sharded safetensors
+    + config.json) by a Ray job of its own; answers its submission id."""
+    state = request.app.state
+    job = _job_or_404(state.store, job_id)
+    if job["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
+        raise HTTPException(409, f"job {job_id} is {job['status']}: export it once it ended")
+    if state.runner is None:
+        raise HTTPException(503, "no Ray cluster attached")
+    found = state.store.get_job(job_id)
+    try:
+        return {"submission_id": state.runner.submit_export(found),
+                "path": os.path.join(state.settings.storage, job_id, "export")}
+    except PackageError as e:
+        raise HTTPException(422, [{"field": "spec.working_dir", "message": str(e)}]) from None
+
+
+@reads.get("/v1/jobs/{job_id}/export")
+def exported(job_id: JobId, request: Request, submission_id: str | None = None):
+    """The export directory's files (empty until written), and an export job's status."""
+    state = request.app.state
+    _job_or_404(state.store, job_id)
+    path = os.path.join(state.settings.storage, job_id, "export")
+    files = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    status = None
+    if submission_id is not None and state.runner is not None:
+        if not submission_id.startswith(f"{job_id}-export-"):
+            raise HTTPException(404, f"no export {submission_id!r} of job {job_id}")
+        status = state.runner.status_of(submission_id)
+    return {"path": path, "files": files, "status": status}

@@ -29,9 +29,47 @@ class JobCounts:
         yield gauge
 
 
+class RunningJobs:
+    """The newest step of every running job: loss, validation loss, throughput per rank
+    and in total, MFU, gradient norm and LR per group (read at each scrape)."""
+
+    FIELDS = (("loss", "training loss"), ("val_loss", "validation loss"),
+              ("tokens_per_s_total", "tokens per second, all ranks"),
+              ("mfu", "model FLOPs utilisation"), ("grad_norm", "gradient norm"))
+
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        gauges = {f: GaugeMetricFamily(f"dmuon_job_{f}", doc, labels=["job"])
+                  for f, doc in self.FIELDS}
+        step = GaugeMetricFamily("dmuon_job_step", "newest step", labels=["job"])
+        rate = GaugeMetricFamily("dmuon_job_tokens_per_s", "tokens per second of one rank",
+                                 labels=["job", "rank"])
+        lr = GaugeMetricFamily("dmuon_job_lr", "learning rate", labels=["job", "group"])
+        for job in self.store.list_jobs("RUNNING", 1000):
+            records = self.store.latest_records(job["id"])
+            if not records:
+                continue
+            first = records[0]
+            step.add_metric([job["id"]], first["step"])
+            for f, gauge in gauges.items():
+                value = next((r[f] for r in records if r.get(f) is not None), None)
+                if value is not None:
+                    gauge.add_metric([job["id"]], value)
+            for r in records:
+                if r.get("tokens_per_s") is not None:
+                    rate.add_metric([job["id"], str(r["rank"])], r["tokens_per_s"])
+            for group, value in (first.get("lr") or {}).items():
+                if value is not None:
+                    lr.add_metric([job["id"], group], value)
+        yield from (step, *gauges.values(), rate, lr)
+
+
 def registry_for(store) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(JobCounts(store))
+    registry.register(RunningJobs(store))
     return registry
 
 

@@ -80,7 +80,9 @@ function showFacts(job) {
     status: job.status, model: job.spec.model, steps: job.spec.steps,
     layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
     "planned on": plannedOn(p.inventory),
-    imbalance: p.imbalance.toFixed(4), "last step": job.steps?.size || 0,
+    mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
+    imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
+    "last step": job.steps?.size || 0,
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
@@ -95,7 +97,9 @@ function plannedOn(inv) {
 
 function ownedBy(partition) {
   const byRank = partition.ranks.map(() => []);
-  for (const [name, p] of Object.entries(partition.params)) byRank[p.owner].push({ name, ...p });
+  for (const [name, p] of Object.entries(partition.params || {})) {
+    byRank[p.owner].push({ name, ...p });
+  }
   return byRank;
 }
 
@@ -143,10 +147,32 @@ function drawMetrics() {
   const job = state.job;
   const steps = [...job.steps.keys()].sort((a, b) => a - b);
   const mean = (recs) => recs.reduce((s, r) => s + r.loss, 0) / recs.length;
+  const first = (s, key) => job.steps.get(s).find((r) => r[key] != null)?.[key] ?? null;
+  const valSteps = steps.filter((s) => first(s, "val_loss") != null);
   Plotly.react("loss-chart", [{
     type: "scatter", mode: "lines+markers", name: "loss", x: steps,
     y: steps.map((s) => mean(job.steps.get(s))),
+  }, {
+    type: "scatter", mode: "lines+markers", name: "val loss", x: valSteps,
+    y: valSteps.map((s) => first(s, "val_loss")),
   }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
+  Plotly.react("throughput-chart", [{
+    type: "scatter", mode: "lines", name: "tokens/s (all ranks)", x: steps,
+    y: steps.map((s) => first(s, "tokens_per_s_total")),
+  }, {
+    type: "scatter", mode: "lines", name: "MFU", x: steps, yaxis: "y2",
+    y: steps.map((s) => first(s, "mfu")),
+  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
+  CHART);
+  const lrKinds = [...new Set(steps.flatMap((s) => Object.keys(first(s, "lr") || {})))];
+  Plotly.react("lr-chart", [...lrKinds.map((kind) => ({
+    type: "scatter", mode: "lines", name: `lr ${kind}`, x: steps,
+    y: steps.map((s) => (first(s, "lr") || {})[kind] ?? null),
+  })), {
+    type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
+    y: steps.map((s) => first(s, "grad_norm")),
+  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
+  CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
@@ -154,7 +180,7 @@ function drawMetrics() {
   })), { margin: MARGIN, xaxis: stepAxis(steps), yaxis: { title: { text: "seconds" } } },
   CHART);
   const latest = [...Array(world).keys()].map((rank) => job.latest.get(rank));
-  if (latest.every(Boolean)) {
+  if (world && latest.every(Boolean)) {  // a deferred plan has no ranks yet
     drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}`);
     const phases = [...new Set(latest.flatMap((r) => Object.keys(r.bytes)))];
     Plotly.react("bytes-chart", phases.map((phase) => ({

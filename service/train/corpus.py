@@ -48,11 +48,12 @@ def batch_at(corpus: torch.Tensor, step: int, batch_size: int, seq_len: int,
     return corpus[idx].long()
 
 
-def load_text_corpus(path: str, split: str = "train") -> torch.Tensor:
-    """A text file's bytes; the last 5% is validation."""
+def load_text_corpus(path: str, split: str = "train",
+                     val_fraction: float = 0.05) -> torch.Tensor:
+    """A text file's bytes; the last ``val_fraction`` is validation."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data = pathlib.Path(path).read_bytes()
-    cut = len(data) * 95 // 100
+    cut = int(len(data) * (1 - val_fraction))
     part = data[:cut] if split == "train" else data[cut:]
     return torch.frombuffer(bytearray(part), dtype=torch.uint8).clone()

@@ -1,13 +1,15 @@
-"""Run a job spec on Ray Train: ``python -m service.entrypoint --spec job.yaml``.
+"""Run a job spec on Ray Train: ``python -m service.train.entrypoint --spec job.yaml``.
 
-Works under ``ray job submit --address ... --working-dir . -- python -m service.entrypoint
---spec job.yaml`` (it attaches to the cluster the job runs on) and on its own (it then
-starts a local Ray on 127.0.0.1). With ``--plan`` (the control plane's jobs) it runs the
-plan stored with the job, after checking that the live cluster can still hold it;
-without, it plans on the cluster it finds. Either way an impossible layout, or a data
-file that is not a regular file under the data root, is refused with the reason before
-any worker starts. Prints one JSON line per step (every rank's record) and a final
-summary; exits non-zero on failure.
+Works under ``ray job submit --address ... --working-dir DIR -- python -m
+service.train.entrypoint --spec job.yaml`` (it attaches to the cluster the job runs on)
+and on its own (it then starts a local Ray on 127.0.0.1). With ``--plan`` (the control
+plane's jobs) it runs the plan stored with the job, after checking that the live cluster
+can still hold it, and completes a plan the control plane deferred (a model only the
+job can import); without, it plans on the cluster it finds. Either way an impossible
+layout, or an input path or size that cannot run (``service.inputs``), is refused with
+the reason before any worker starts. ``--export-only`` exports the newest checkpoint.
+Prints one JSON line per step (every rank's record) and a final summary; exits non-zero
+on failure.
 """
 
 from __future__ import annotations
@@ -33,8 +35,16 @@ if not os.environ.get("RAY_ADDRESS"):
 
 from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
-from .planner import PlacementError, check_fits, inventory_from_ray, predict  # noqa: E402
-from .spec import SpecError, load_spec, resolve_data_source  # noqa: E402
+from ..inputs import resolve_inputs  # noqa: E402
+from ..planner import (  # noqa: E402
+    PlacementError,
+    check_fits,
+    inventory_from_ray,
+    placement_document,
+    predict,
+)
+from ..spec import SpecError, load_spec  # noqa: E402
+from .params import ParamRuleError  # noqa: E402
 
 
 class MetricsCallback(UserCallback):
@@ -94,32 +104,47 @@ def connect_ray(num_cpus: int | None = None) -> None:
                  dashboard_host="127.0.0.1")
 
 
-def layout_to_run(spec, plan: dict | None) -> tuple[dict, dict]:
-    """(layout, ScalingConfig kwargs): the stored plan's, once the live cluster is seen
-    to hold it (else PlacementError with the reason), or a plan made here and now."""
+def plan_to_run(spec, plan: dict | None, model_inputs: dict) -> dict:
+    """The plan the workers run: the stored one, once the live cluster is seen to hold it
+    (else PlacementError with the reason), completed here when the control plane could
+    not build the model (a factory from the job's working_dir); or one made now."""
     nodes = inventory_from_ray()
     if plan is not None:
         check_fits(plan["layout"], spec, nodes)
-        return plan["layout"], plan["scaling"]
-    placement = predict(spec, nodes)
-    return ({"replicate": placement.replicate, "shard": placement.shard,
-             "nodes": placement.nodes}, placement.scaling_config_kwargs())
+        if plan.get("partition") is not None:
+            return plan
+        lay = plan["layout"]
+        placement = predict(spec, nodes, model_inputs=model_inputs,
+                            layout=(lay["nodes"], lay["replicate"], lay["shard"]))
+        return {**placement_document(placement, plan["inventory"]),
+                "completed_by": "entrypoint"}
+    placement = predict(spec, nodes, model_inputs=model_inputs)
+    return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
 
 
 def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
-            data_path: str | None = None, return_params: str | None = None,
-            post_url: str | None = None, token: str | None = None):
+            inputs: dict | None = None, return_params: str | None = None,
+            post_url: str | None = None, token: str | None = None, export_only=False):
     """Fit a TorchTrainer on the layout; returns (ray Result, layout, last step reported)."""
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from . import train
+    from . import loop as train
 
-    layout, scaling = layout_to_run(spec, plan)
     job_dir = os.path.join(storage, job_id)
+    inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"))
+    plan = plan_to_run(spec, plan, inputs["model"])
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
+        json.dump(plan, fh)
+    layout, scaling = plan["layout"], plan["scaling"]
     config = {"spec": spec.model_dump(mode="json"), "replicate": layout["replicate"],
               "shard": layout["shard"], "checkpoint_dir": os.path.join(job_dir, "dcp"),
-              "data_path": data_path, "return_params": return_params}
+              "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
+              # plans stored before modes were planned run the spec's own mode
+              "modes": {k: plan["modes"][k] for k in ("dmuon", "fsdp")}
+              if plan.get("modes") else None,
+              "return_params": return_params, "export_only": export_only}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
@@ -127,9 +152,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
         torch_config=TorchConfig(backend="nccl" if spec.resources_per_worker.GPU
                                  else "gloo", timeout_s=120),
         run_config=RunConfig(
-            name=job_id, storage_path=storage,
+            name=f"{job_id}-export" if export_only else job_id, storage_path=storage,
             failure_config=FailureConfig(max_failures=spec.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=2),
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last or None),
             callbacks=[metrics],
         ),
     )
@@ -161,31 +186,33 @@ def _arguments(argv):
     ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
     ap.add_argument("--token-file", default=None,
                     help="the job's own token for its metric posts")
+    ap.add_argument("--export-only", action="store_true",
+                    help="no training: export the newest checkpoint to <storage>/<job>/export")
     ap.add_argument("--final-params", default=None,
                     help="write every parameter in full (torch.save) here at the end")
     return ap.parse_args(argv)
 
 
 def _inputs(args) -> tuple:
-    """(spec, plan, data path, token): everything read and checked before Ray starts."""
+    """(spec, plan, inputs, token): everything read and checked before Ray starts."""
     spec = load_spec(args.spec)
     plan = None
     if args.plan:
         with open(args.plan) as fh:
             plan = json.load(fh)
     storage = os.path.abspath(args.storage)
-    data_path = resolve_data_source(spec, args.data_root or os.path.join(storage, "data"))
+    inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"))
     token = None
     if args.token_file:
         with open(args.token_file) as fh:
             token = fh.read().strip()
-    return spec, plan, data_path, token
+    return spec, plan, inputs, token
 
 
 def main(argv=None) -> int:
     args = _arguments(argv)
     try:
-        spec, plan, data_path, token = _inputs(args)
+        spec, plan, inputs, token = _inputs(args)
     except (SpecError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -196,14 +223,17 @@ def main(argv=None) -> int:
     try:
         result, layout, last_step = run_job(
             spec, job_id=job_id, storage=os.path.abspath(args.storage), plan=plan,
-            data_path=data_path, return_params=args.final_params,
-            post_url=args.metrics_url, token=token)
+            inputs=inputs, return_params=args.final_params,
+            post_url=args.metrics_url, token=token, export_only=args.export_only)
         # Ray Train's Result keeps metrics only with a checkpoint
         summary.update(layout=[layout["replicate"], layout["shard"]], final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error))
     except PlacementError as e:
         print(f"error: layout refused: {e}", file=sys.stderr)
+        return 2
+    except (ParamRuleError, SpecError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure
         summary.update(status="FAILED", error=f"{type(e).__name__}: {e}")

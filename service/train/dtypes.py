@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .spec import OptimizerSpec
+from ..spec import OptimizerSpec
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
           "float64": torch.float64}

@@ -1,0 +1,168 @@
+"""Everything a job reads from disk, resolved and checked before any worker starts.
+
+Paths in a spec are relative to the data root. ``resolve_inputs`` turns them into
+absolute paths (the workers get them in their config) and refuses, with the field
+path, what cannot run: a path that does not exist or cannot be read, a glob that
+matches nothing, an empty data set or one too short for ``seq_len``, a ``seq_len``
+beyond the model's ``max_position_embeddings``, and token ids beyond the model's
+vocabulary. Torch-free: the control plane runs it on submission, the entrypoint again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+
+from .spec import MAX_DATA_BYTES, JobSpec, SpecError
+from .spec_model import builtin_config
+from .train.shards import ShardError, describe, match, max_token
+
+BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
+META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
+
+
+def _under_root(root: str, relative: str, field: str) -> str:
+    root = os.path.realpath(root)
+    path = os.path.realpath(os.path.join(root, relative))
+    if os.path.commonpath([root, path]) != root:
+        raise SpecError(f"{field}: {relative!r} leads outside the data root")
+    return path
+
+
+def _readable_file(path: str, shown: str, field: str) -> os.stat_result:
+    try:
+        info = os.stat(path)
+    except OSError:
+        raise SpecError(f"{field}: no file {shown!r} under the data root") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise SpecError(f"{field}: {shown!r} is not a regular file")
+    if not os.access(path, os.R_OK):
+        raise SpecError(f"{field}: {shown!r} cannot be read")
+    return info
+
+
+def _shards(root: str, pattern: str, dtype: str | None, field: str) -> list[dict]:
+    paths = [p for p in match(_under_root(root, pattern, field))
+             if os.path.commonpath([os.path.realpath(root), os.path.realpath(p)])
+             == os.path.realpath(root)]
+    if not paths:
+        raise SpecError(f"{field}: {pattern!r} matches no file under the data root")
+    shards = []
+    for path in paths:
+        _readable_file(path, os.path.relpath(path, root), field)
+        try:
+            shards.append(describe(path, dtype))
+        except (ShardError, ValueError, OSError) as e:
+            raise SpecError(f"{field}: {e}") from None
+    return shards
+
+
+def _data_vocab(shards, field: str) -> int:
+    """The data's vocabulary: ``meta.json`` of ``prepare`` when present, else the
+    largest token id + 1 (read in chunks)."""
+    meta = os.path.join(os.path.dirname(shards[0].path), META_FILE)
+    if os.path.isfile(meta):
+        with open(meta) as fh:
+            return int(json.load(fh)["vocab_size"])
+    return max_token(shards) + 1
+
+
+def _windows(shards, seq_len: int, part: float) -> int:
+    return sum(max(0, int(s.tokens * part) - seq_len) for s in shards)
+
+
+def resolve_data(spec: JobSpec, root: str) -> dict:
+    data = spec.data
+    if data.source == "builtin":
+        return {"kind": "builtin", "vocab": BYTE_VOCAB}
+    if not data.tokens:
+        path = _under_root(root, data.source, "data.source")
+        info = _readable_file(path, data.source, "data.source")
+        if info.st_size > MAX_DATA_BYTES:
+            raise SpecError(f"data.source: {data.source!r} has {info.st_size} bytes; a text "
+                            f"file is read whole, at most {MAX_DATA_BYTES}: tokenize it "
+                            "into shards with `dmuon-svc prepare`")
+        if info.st_size * min(data.val_fraction, 1 - data.val_fraction) <= spec.seq_len:
+            raise SpecError(f"data.source: {data.source!r} ({info.st_size} bytes) is too "
+                            f"short for seq_len={spec.seq_len} in both splits")
+        return {"kind": "text", "path": path, "vocab": BYTE_VOCAB}
+    train = _shards(root, data.source, data.dtype, "data.source")
+    val = _shards(root, data.val_source, data.dtype, "data.val_source") \
+        if data.val_source else None
+    train_part = 1.0 if val else 1 - data.val_fraction
+    if _windows(train, spec.seq_len, train_part) == 0:
+        raise SpecError(f"data.source: {sum(s.tokens for s in train)} tokens in "
+                        f"{len(train)} shard(s): no training window of seq_len+1="
+                        f"{spec.seq_len + 1} tokens fits in one shard")
+    if _windows(val or train, spec.seq_len, 1.0 if val else data.val_fraction) == 0:
+        raise SpecError(f"{'data.val_source' if val else 'data.val_fraction'}: no "
+                        f"validation window of {spec.seq_len + 1} tokens fits")
+    vocab = max(_data_vocab(train, "data.source"),
+                _data_vocab(val, "data.val_source") if val else 0)
+    return {"kind": "tokens", "train": [s.to_dict() for s in train],
+            "val": [s.to_dict() for s in val] if val else None, "vocab": vocab}
+
+
+def hf_config(spec: JobSpec, root: str) -> tuple[dict, str | None]:
+    """(config fields, the config.json's directory or None) of a Hugging Face model."""
+    model, fields, where = spec.model, {}, None
+    if model.hf is not None:
+        path = _under_root(root, model.hf, "model.hf")
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        _readable_file(path, model.hf, "model.hf")
+        try:
+            with open(path) as fh:
+                fields = json.load(fh)
+        except ValueError as e:
+            raise SpecError(f"model.hf: {model.hf!r} is not JSON: {e}") from None
+        where = os.path.dirname(path)
+    return {**fields, **model.config}, where
+
+
+def _hf_limits(spec: JobSpec, fields: dict) -> tuple[int | None, int | None]:
+    vocab, longest = fields.get("vocab_size"), fields.get("max_position_embeddings")
+    if vocab is None or longest is None:  # the config class's defaults
+        import transformers
+
+        arch = spec.model.hf_arch or (fields.get("architectures") or [None])[0]
+        cls = getattr(transformers, arch, None) if arch else None
+        if cls is None or not hasattr(cls, "config_class"):
+            raise SpecError(f"model.hf_arch: unknown architecture {arch!r} in transformers")
+        defaults = cls.config_class()
+        vocab = vocab or defaults.vocab_size
+        longest = longest or getattr(defaults, "max_position_embeddings", None)
+    return vocab, longest
+
+
+def resolve_model(spec: JobSpec, root: str) -> tuple[dict, int | None]:
+    """(the model's resolved inputs, its vocabulary size when known)."""
+    model = spec.model
+    config = builtin_config(model)
+    if config is not None:
+        return {"kind": "builtin"}, config.vocab_size
+    if hasattr(model, "factory"):
+        return {"kind": "factory"}, model.vocab_size
+    fields, where = hf_config(spec, root)
+    vocab, longest = _hf_limits(spec, fields)
+    if longest is not None and spec.seq_len > longest:
+        raise SpecError(f"seq_len: {spec.seq_len} is beyond the model's "
+                        f"max_position_embeddings={longest}")
+    weights = None
+    if model.weights is not None:
+        weights = _under_root(root, model.weights, "model.weights")
+        if not os.path.isdir(weights) or not match(os.path.join(weights, "*.safetensors")):
+            raise SpecError(f"model.weights: no *.safetensors in {model.weights!r} under "
+                            "the data root")
+    return {"kind": "hf", "config": fields, "config_dir": where, "weights": weights}, vocab
+
+
+def resolve_inputs(spec: JobSpec, data_root: str) -> dict:
+    """``{"model": ..., "data": ...}`` with absolute paths, or SpecError naming the field."""
+    model, model_vocab = resolve_model(spec, data_root)
+    data = resolve_data(spec, data_root)
+    if model_vocab is not None and data["vocab"] > model_vocab:
+        raise SpecError(f"data.source: the data's vocabulary has {data['vocab']} ids, the "
+                        f"model's vocab_size is {model_vocab}")
+    return {"model": model, "data": data}

@@ -1,0 +1,95 @@
+"""``dmuon.mode: auto``: the seeds' Z2/Z3 decision tree made executable, on the
+planner's memory model of one rank.
+
+The tree (seeds, "Z2 vs Z3 Modes"), in order:
+1. a model above 10B parameters starts with Z3;
+2. when even Z3 does not fit the device, stay with Z3 ("OOM with DMuon-Z3? Do not
+   switch to Z2 first"): the plan says it does not fit;
+3. with one rank per shard group Z2 saves no bytes ((N-1)/N = 0): Z3;
+4. below 3B parameters on 8 or more GPUs Z2 is the candidate: taken when the resident
+   packed buffers (P_M x bytes per element) fit in what Z3 leaves free of the device;
+   below 3B on fewer GPUs, Z3 (communication does not dominate there);
+5. from 3B to 10B ("for most models above 3B, stay with Z3"): Z2 only when the
+   resident P_M takes at most half of what Z3 leaves free (the seeds' 7B example on
+   8 GPUs: "significant but not prohibitive for an 80 GB GPU").
+"Fits" means at most HEADROOM of the device's memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+GB = 1e9
+HEADROOM = 0.9  # allocator fragmentation, CUDA context, NCCL buffers
+DEFAULT_GPU_GB = 80.0  # H100/H200 SXM class
+DEFAULT_CPU_GB = 16.0
+
+
+@dataclass
+class ModeChoice:
+    dmuon: str  # "z2" | "z3"
+    fsdp: str
+    reason: str
+    params: int  # the model's parameters
+    gpus: int  # world size
+    device_bytes: int
+    z2_bytes: int  # one rank's peak, the worst rank
+    z3_bytes: int
+    resident_pm_bytes: int  # Z2's packed buffers: P_M x param bytes
+    fits: bool
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def activation_bytes(*, tokens: int, hidden: int, layers: int, vocab: int, elt: int,
+                     checkpointed: bool) -> int:
+    """A stated estimate of one rank's activations for one micro-batch: 34 x tokens x
+    hidden bytes per block at 2-byte activations (Korthikanti et al. 2022, attention
+    scores not stored, as with flash attention), scaled to ``elt``; with per-block
+    activation checkpointing each block keeps its input and one block is recomputed at a
+    time. Plus the logits in ``elt`` and their fp32 copy for the loss."""
+    block = 34 * tokens * hidden * elt // 2
+    kept = layers * tokens * hidden * elt + block if checkpointed else layers * block
+    return kept + tokens * vocab * (elt + 4)
+
+
+def decide(mode: str, fsdp_reshard: bool | None, *, params: int, gpus: int, shard: int,
+           device_bytes: int, z2_bytes: int, z3_bytes: int, resident_pm: int) -> ModeChoice:
+    """The mode to run: the spec's when it names one, else the tree above."""
+    usable = HEADROOM * device_bytes
+    fits = (z2_bytes if mode == "z2" else z3_bytes) <= usable
+    b = params / 1e9
+    if mode != "auto":
+        dmuon, reason = mode, f"set by the spec (dmuon.mode: {mode})"
+    elif params > 10e9:
+        dmuon, reason = "z3", f"{b:.1f}B parameters > 10B: Z3, the seeds' default"
+    elif z3_bytes > usable:
+        dmuon, reason = "z3", (f"even Z3 needs {z3_bytes / GB:.1f} GB of the device's "
+                               f"{device_bytes / GB:.0f} GB: it does not fit; do not switch "
+                               "to Z2 (check activations and accumulation first)")
+    elif shard == 1:
+        dmuon, reason = "z3", "one rank per shard group: Z2 would save no bytes"
+    else:
+        free, extra = usable - z3_bytes, z2_bytes - z3_bytes
+        dmuon, reason = _by_size(b, gpus, free, extra, resident_pm)
+    fits = (z2_bytes if dmuon == "z2" else z3_bytes) <= usable
+    fsdp = dmuon if fsdp_reshard is None else ("z3" if fsdp_reshard else "z2")
+    return ModeChoice(dmuon, fsdp, reason, params, gpus, int(device_bytes), int(z2_bytes),
+                      int(z3_bytes), int(resident_pm), fits)
+
+
+def _by_size(b: float, gpus: int, free: float, extra: float, resident_pm: int):
+    pm = f"resident P_M {resident_pm / GB:.2f} GB"
+    if b < 3:
+        if gpus < 8:
+            return "z3", f"{b:.2f}B parameters on {gpus} GPUs (< 8): Z3"
+        if extra <= free:
+            return "z2", (f"{b:.2f}B parameters (< 3B) on {gpus} GPUs (>= 8): Z2, its {pm} "
+                          f"fits in the {free / GB:.1f} GB Z3 leaves free")
+        return "z3", f"{b:.2f}B parameters: Z2's {pm} exceeds the {free / GB:.1f} GB free"
+    if extra <= free / 2:
+        return "z2", (f"{b:.1f}B parameters (3-10B): Z2, its {pm} is at most half of the "
+                      f"{free / GB:.1f} GB Z3 leaves free")
+    return "z3", (f"{b:.1f}B parameters (3-10B): Z3, Z2's {pm} would take more than half "
+                  f"of the {free / GB:.1f} GB Z3 leaves free")

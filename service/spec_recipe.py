@@ -1,0 +1,102 @@
+"""The spec's training recipe: LR schedule, precision, checkpoints, export, metrics,
+and DMuon's mode. Defaults are what a torchtitan user expects (clipping at 1.0, linear
+warmup then cosine to 10%, fp32 masters)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from .spec_types import DtypeName, Regex, StrictModel
+
+
+class ScheduleSpec(StrictModel):
+    """The same factor multiplies both groups' learning rates (Muon's ``lr`` and AdamW's
+    ``adamw_lr``): linear warmup from 0, then cosine (or WSD: constant, then a linear
+    decay over the last ``decay_fraction`` of the steps) down to ``min_lr_ratio``."""
+
+    warmup_steps: int = Field(0, ge=0, le=1 << 30)
+    decay: Literal["cosine", "wsd", "constant"] = "cosine"
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="wsd only")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+
+
+class PrecisionSpec(StrictModel):
+    """fp32 masters and optimizer state; ``param_dtype`` is what forward and backward
+    compute in (and what the all-gathers move), ``reduce_dtype`` what gradients are
+    reduced in (FSDP2's MixedPrecisionPolicy, handed to DMuon too)."""
+
+    master_dtype: DtypeName = "float32"
+    param_dtype: DtypeName | None = Field(None, description="null: master_dtype")
+    reduce_dtype: DtypeName | None = Field(None, description="null: param_dtype")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any):
+        # `precision: bfloat16` (the former whole-model field): that dtype everywhere
+        if isinstance(data, str):
+            if data not in ("float32", "float64", "bfloat16"):
+                raise ValueError("float32, float64, bfloat16 or {master_dtype, "
+                                 "param_dtype, reduce_dtype}")
+            return {"master_dtype": data}
+        return data
+
+    @property
+    def compute(self) -> str:
+        return self.param_dtype or self.master_dtype
+
+    @property
+    def reduce(self) -> str:
+        return self.reduce_dtype or self.compute
+
+    @property
+    def mixed(self) -> bool:
+        return (self.compute, self.reduce) != (self.master_dtype, self.master_dtype)
+
+
+class CheckpointSpec(StrictModel):
+    interval: int = Field(0, ge=0, le=1 << 30,
+                          description="steps between checkpoints (0: none); they go to "
+                                      "<storage>/<job id>/dcp; the final step is always "
+                                      "checkpointed when interval > 0")
+    keep_last: int = Field(2, ge=0, le=1 << 20, description="0: keep every checkpoint")
+
+
+class ExportSpec(StrictModel):
+    enabled: bool = Field(True, description="sharded safetensors + config.json in "
+                                            "<storage>/<job id>/export at the end")
+    dtype: DtypeName | None = Field(None, description="null: the master dtype")
+
+
+class MetricsSpec(StrictModel):
+    peak_tflops: float | None = Field(
+        None, gt=0, le=1e6, description="per worker, for MFU (default: the GPU's dense "
+                                        "bf16 peak when known; none on CPUs)")
+
+
+class DMuonSpec(StrictModel):
+    """``mode``: DMuon's packed buffers freed after forward (z3) or kept (z2), or
+    ``auto``, decided by the planner's memory model for the device. FSDP2's
+    ``reshard_after_forward`` mirrors it unless set (the seeds' asymmetric configs)."""
+
+    mode: Literal["auto", "z2", "z3"] = "z3"
+    fsdp_reshard_after_forward: bool | None = None
+    device_memory_gb: float | None = Field(
+        None, gt=0, le=1 << 20, description="for auto (default: 80 per GPU worker, else "
+                                            "the node's memory shared by its workers)")
+    muon_params: Regex | None = Field(None, description="FQN regex: these params get Muon "
+                                                        "(over the derived rule)")
+    adamw_params: Regex | None = Field(None, description="FQN regex: these get AdamW")
+    hook_boundaries: Regex | None = Field(None, description="module FQN regex of the hook "
+                                                            "boundaries (default: the blocks)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any):
+        moved = sorted({"ns_backend", "replicate_async"} & set(data)) \
+            if isinstance(data, dict) else []
+        if moved:
+            raise ValueError(f"{', '.join(moved)} moved to the optimizer section "
+                             f"(optimizer.{moved[0]}), with dmuon.Muon's other options")
+        return data

@@ -1,0 +1,95 @@
+"""The job's model on the meta device, for any kind the spec names (built-in, Hugging
+Face, a factory by import path), its initialisation rule, its forward to logits, and
+per-block activation checkpointing."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+from torch import nn
+
+from ..spec import JobSpec
+from ..spec_model import builtin_config
+from .models import build_model, init_builtin
+
+
+def _hf_class_and_config(spec: JobSpec, model_inputs: dict, dtype: torch.dtype):
+    import transformers
+
+    fields = dict(model_inputs["config"])
+    arch = spec.model.hf_arch or (fields.get("architectures") or [None])[0]
+    cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
+    if model_inputs.get("config_dir"):
+        config = transformers.AutoConfig.from_pretrained(model_inputs["config_dir"],
+                                                         **spec.model.config)
+    else:
+        config = cls.config_class(**fields)
+    if dtype == torch.float64:
+        # transformers 5 runs fused experts with torch._grouped_mm: no float64 kernel
+        config._experts_implementation = "eager"
+    config.use_cache = False
+    return cls, config
+
+
+def build_on_meta(spec: JobSpec, model_inputs: dict, dtype: torch.dtype) -> nn.Module:
+    """The model with every tensor on the meta device (nothing allocated)."""
+    config = builtin_config(spec.model)
+    if config is not None:
+        return build_model(config, dtype=dtype, device="meta")
+    if model_inputs["kind"] == "hf":
+        cls, hf_config = _hf_class_and_config(spec, model_inputs, dtype)
+        with torch.device("meta"):
+            if cls.__name__.startswith("Auto"):
+                return cls.from_config(hf_config, dtype=dtype)
+            return cls._from_config(hf_config, dtype=dtype)
+    module_name, fn_name = spec.model.factory.split(":")
+    factory = getattr(importlib.import_module(module_name), fn_name)
+    with torch.device("meta"):
+        model = factory(**spec.model.kwargs)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model.factory: {spec.model.factory} returned "
+                        f"{type(model).__name__}, not an nn.Module")
+    return model.to(dtype)
+
+
+def init_rule(spec: JobSpec, model: nn.Module):
+    """``init_fn`` for ``dmuon.materialize``: the built-in rule, Hugging Face's
+    ``_init_weights``, or None (a block's ``init_weights()``/``reset_parameters()``)."""
+    if builtin_config(spec.model) is not None:
+        return init_builtin
+    if hasattr(spec.model, "hf_arch"):
+        return model._init_weights
+    return None
+
+
+def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, T, V]`` for token ids ``[B, T]`` whatever the model returns."""
+    if hasattr(model, "_init_weights") and hasattr(model, "config"):  # Hugging Face
+        return model(input_ids=tokens, use_cache=False).logits
+    out = model(tokens)
+    return out.logits if hasattr(out, "logits") else out
+
+
+def checkpoint_blocks(spec: JobSpec, model: nn.Module, blocks: list[str]) -> None:
+    """Per-block activation checkpointing, before DMuon and FSDP2 are applied."""
+    how = spec.activation_checkpointing
+    if how == "none":
+        return
+    if builtin_config(spec.model) is not None:
+        model.model.activation_checkpointing = how
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
+    else:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        impl = CheckpointImpl.REENTRANT if how == "reentrant" else CheckpointImpl.NO_REENTRANT
+        for fqn in blocks:
+            parent, _, leaf = fqn.rpartition(".")
+            owner = model.get_submodule(parent)
+            owner.register_module(leaf, checkpoint_wrapper(owner.get_submodule(leaf),
+                                                           checkpoint_impl=impl))

@@ -1,0 +1,59 @@
+"""The job's checkpoints: when to save (every K steps and always the final step), which
+to keep (the last M), and where to resume from."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch.distributed as dist
+
+import dmuon
+
+from ..spec import JobSpec
+
+
+def due(spec: JobSpec, step: int) -> bool:
+    """Whether ``step`` (1-based, just finished) is checkpointed."""
+    interval = spec.checkpoint.interval
+    return bool(interval) and (step % interval == 0 or step == spec.steps)
+
+
+def committed(root: str | None) -> list[str]:
+    """Complete checkpoints under ``root``, oldest first (``save`` commits by rename)."""
+    if not root or not os.path.isdir(root):
+        return []
+    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and "." not in d
+                  and os.path.isfile(os.path.join(root, d, dmuon.checkpoint.MANIFEST)))
+    return [os.path.join(root, d) for d in done]
+
+
+def latest_committed(root: str | None) -> str | None:
+    done = committed(root)
+    return done[-1] if done else None
+
+
+def save(spec: JobSpec, root: str, step: int, model, opt) -> str:
+    """Save ``step`` and drop all but the newest ``keep_last`` (rank 0 deletes, after
+    every rank has finished writing)."""
+    path = os.path.join(root, f"step_{step:06d}")
+    dmuon.checkpoint.save(path, model, opt, extra={"step": step})
+    keep = spec.checkpoint.keep_last
+    dist.barrier()
+    if keep and dist.get_rank() == 0:
+        for old in committed(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def resume(model, opt, root: str | None, fallback=None) -> int:
+    """Resume from the newest committed checkpoint. Ray Train's latest registered one
+    (``fallback``) can lag behind it: a report still in flight when a worker dies is lost."""
+    path = latest_committed(root)
+    if path is not None:
+        return dmuon.checkpoint.load(path, model, opt)["step"]
+    checkpoint = fallback() if fallback else None
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as path:
+        return dmuon.checkpoint.load(path, model, opt)["step"]

@@ -1,0 +1,189 @@
+"""``train_loop_per_worker`` for ``ray.train.torch.TorchTrainer``, and the training loop
+it runs on a built mesh: build on meta, DMuon then FSDP2, materialise (or load the
+weights), then per step the LR schedule, accumulation under ``no_sync``, global
+clipping, the optimizer step, validation, checkpoints, and at the end the export."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import dmuon
+
+from ..spec import JobSpec, parse_spec
+from . import checkpoints, recipe
+from .build import build_on_meta, checkpoint_blocks, init_rule, logits_of
+from .data import Batches
+from .dtypes import DTYPES, muon_kwargs
+from .export import export
+from .mesh import build_mesh, device
+from .metrics import flops_per_token, peak_flops, step_record
+from .models import causal_lm_loss
+from .params import find_blocks, split_params
+from .weights import load_weights
+
+BUILTIN_INPUTS = {"model": {"kind": "builtin"}, "data": {"kind": "builtin"}}
+
+
+def run_modes(spec: JobSpec, modes: dict | None) -> dict:
+    """``{"dmuon": "z2"|"z3", "fsdp": ...}``: the stored plan's (which decided ``auto``),
+    else the spec's, FSDP2 mirroring DMuon unless the spec sets it apart."""
+    if modes is None:
+        if spec.dmuon.mode == "auto":
+            raise ValueError("dmuon.mode: auto is decided by the planner; run the plan")
+        fsdp = spec.dmuon.fsdp_reshard_after_forward
+        modes = {"dmuon": spec.dmuon.mode,
+                 "fsdp": spec.dmuon.mode if fsdp is None else ("z3" if fsdp else "z2")}
+    return modes
+
+
+def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
+                   modes: dict | None = None):
+    """(model, optimizer, param split): built on the meta device, DMuon then FSDP2 per
+    block and on the root; each rank materialises only what it keeps."""
+    inputs = inputs or BUILTIN_INPUTS
+    modes = run_modes(spec, modes)
+    model = build_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
+    checkpoint_blocks(spec, model, find_blocks(model))  # before the split: FQNs may change
+    split = split_params(model, muon_params=spec.dmuon.muon_params,
+                         adamw_params=spec.dmuon.adamw_params,
+                         hook_boundaries=spec.dmuon.hook_boundaries)
+    hsdp = mesh["replicate"].size() > 1
+    policy = recipe.mp_policy(spec)
+    dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
+                          replicate_mesh=mesh["replicate"] if hsdp else None,
+                          reshard_after_forward=modes["dmuon"] == "z3",
+                          hook_boundary_predicate=split.boundary_predicate(model))
+    fsdp = {"mesh": mesh if hsdp else mesh["shard"],
+            "reshard_after_forward": modes["fsdp"] == "z3",
+            **({"mp_policy": policy} if policy is not None else {})}
+    for fqn in split.fsdp_units:
+        dmuon.fully_shard(model.get_submodule(fqn), **fsdp)
+    dmuon.fully_shard(model, **fsdp)
+    dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(spec, model))
+    if inputs["model"].get("weights"):
+        load_weights(model, inputs["model"]["weights"])
+    model.train()
+    opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
+    return model, opt, split
+
+
+@torch.no_grad()
+def validation_loss(model, spec: JobSpec, batches: Batches, dp_rank: int, dp_size: int) -> float:
+    total = torch.zeros(1, dtype=torch.float64)
+    for i in range(spec.data.val_batches):
+        rows = batches.rows(i, spec.batch_size, dp_rank, dp_size).to(device())
+        total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double().cpu()
+    dist.all_reduce(total)
+    return total.item() / (dp_size * spec.data.val_batches)
+
+
+def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: tuple[int, int],
+               micros: int) -> tuple[float, float | None]:
+    """One optimizer step over ``micros`` micro-batches; returns (loss, grad norm)."""
+    loss = 0.0
+    for i in range(micros):
+        rows = batches.rows(step, spec.batch_size, dp[0], dp[1], i, micros).to(device())
+        skip_sync = i < micros - 1
+        with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
+            micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
+            micro_loss.backward()
+        loss += micro_loss.item()
+    norm = None
+    if spec.clip_grad_norm is not None:
+        norm = dmuon.clip_grad_norm_(model, spec.clip_grad_norm).item()
+    opt.step()
+    opt.zero_grad()
+    return loss, norm
+
+
+def _layout(mesh: DeviceMesh) -> tuple[int, int, int, int]:
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    return r, s, r * mesh["shard"].size() + s, dist.get_world_size()
+
+
+def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
+    blocks = len(split.fsdp_units)
+    hidden = next((m.embedding_dim for m in model.modules()
+                   if isinstance(m, torch.nn.Embedding)), 0)
+    per_rank = micros * spec.batch_size * spec.seq_len
+    return (per_rank, per_rank * dp_size, flops_per_token(model, blocks, hidden, spec.seq_len),
+            peak_flops(spec.metrics.peak_tflops, device()))
+
+
+def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
+                 inputs: dict | None = None, modes: dict | None = None, export_dir=None,
+                 export_only=False, node_ids=None, node_ip=None, fallback_checkpoint=None):
+    """The training loop on a built mesh; returns the model. ``report(record, path)``
+    gets every step's record and, on checkpoint steps, the committed directory."""
+    inputs = inputs or BUILTIN_INPUTS
+    model, opt, split = build_training(spec, mesh, inputs, modes)
+    rank = dist.get_rank()
+    r, s, dp_rank, dp_size = _layout(mesh)
+    micros = recipe.micro_batches(spec, dp_size)
+    data = inputs["data"]
+    train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
+    val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, dp_size, micros)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    start = checkpoints.resume(model, opt, checkpoint_dir, fallback_checkpoint)
+    if export_only:
+        if start == 0:
+            raise RuntimeError(f"nothing to export: no committed checkpoint in {checkpoint_dir}")
+        export_model(model, spec, mesh, export_dir)
+        return model
+    for step in range(start, spec.steps):
+        t0 = time.perf_counter()
+        lrs = recipe.apply_lr(opt, base_lrs, recipe.lr_factor(spec, step))
+        loss, norm = train_step(model, opt, spec, train, step, (dp_rank, dp_size), micros)
+        record = step_record(model, opt, step=step + 1, loss=loss,
+                             elapsed=time.perf_counter() - t0, tokens=tokens,
+                             global_tokens=global_tokens, flops_token=flops_token,
+                             peak=peak, lr=lrs, grad_norm=norm)
+        record.update(coord=[r, s], resumed_from=start,
+                      node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
+        if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
+            record["val_loss"] = validation_loss(model, spec, val, dp_rank, dp_size)
+        path = None
+        if checkpoint_dir and checkpoints.due(spec, step + 1):
+            path = checkpoints.save(spec, checkpoint_dir, step + 1, model, opt)
+        report(record, path)
+    if export_dir and spec.export.enabled:
+        export_model(model, spec, mesh, export_dir)
+    return model
+
+
+def export_model(model, spec: JobSpec, mesh: DeviceMesh, out_dir: str) -> str:
+    from .export_config import config_writer
+
+    dtype = DTYPES[spec.export.dtype or spec.precision.master_dtype]
+    return export(model, mesh, out_dir, dtype=dtype, write_config=config_writer(spec, model))
+
+
+def train_loop_per_worker(config: dict) -> None:
+    import ray.train
+    import ray.util
+
+    spec = parse_spec(config["spec"])
+    torch.set_num_threads(int(config.get("threads", 1)))
+    mesh, node_ids = build_mesh(config["replicate"], config["shard"])
+    rank = dist.get_rank()
+
+    def report(record, path):  # rank 0 hands the committed checkpoint to Ray Train
+        checkpoint = ray.train.Checkpoint.from_directory(path) if path and rank == 0 else None
+        ray.train.report(record, checkpoint=checkpoint)
+
+    model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
+                         inputs=config.get("inputs"), modes=config.get("modes"),
+                         export_dir=config.get("export_dir"),
+                         export_only=config.get("export_only", False), node_ids=node_ids,
+                         node_ip=ray.util.get_node_ip_address(),
+                         fallback_checkpoint=ray.train.get_checkpoint)
+    if config.get("return_params"):
+        params = dmuon.full_state_dict(model)
+        if rank == 0:
+            torch.save(params, config["return_params"])

@@ -1,0 +1,56 @@
+"""One rank's record of one step: loss, throughput (tokens/s on this rank and in total),
+model FLOPs utilisation, LR per group, gradient norm, bytes moved and memory."""
+
+from __future__ import annotations
+
+import resource
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dmuon
+
+# Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), FLOP/s per GPU
+GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+
+
+def flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6 x (params outside the embeddings) for the matmuls,
+    forward and backward, plus 12 x layers x hidden x seq_len for attention scores
+    (PaLM's appendix B, as torchtitan counts)."""
+    dense = sum(p.numel() for name, p in model.named_parameters()
+                if not isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Embedding))
+    return 6.0 * dense + 12.0 * n_layers * hidden * seq_len
+
+
+def peak_flops(spec_peak_tflops: float | None, device: torch.device) -> float | None:
+    """The spec's peak, else the GPU's dense bf16 peak when known; None on CPUs."""
+    if spec_peak_tflops is not None:
+        return spec_peak_tflops * 1e12
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, peak in GPU_PEAKS.items():
+            if key in name:
+                return peak
+    return None
+
+
+def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: int,
+                global_tokens: int, flops_token: float, peak: float | None,
+                lr: dict, grad_norm: float | None) -> dict:
+    ledger = dmuon.get_ledger(model).last_step_by_phase()
+    rate = tokens / elapsed if elapsed else 0.0
+    return {
+        "step": step, "rank": dist.get_rank(), "loss": loss, "step_time_s": elapsed,
+        "tokens_per_s": rate,
+        "tokens_per_s_total": global_tokens / elapsed if elapsed else 0.0,
+        "mfu": rate * flops_token / peak if peak else None,
+        "lr": lr, "grad_norm": grad_norm,
+        "bytes": {f"{dim}.{phase}": n for dim, phases in ledger.items()
+                  for phase, n in phases.items()},
+        "memory": dmuon.memory_report(model, opt),
+        "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "time": time.time(),
+    }

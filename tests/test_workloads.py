@@ -1,0 +1,226 @@
+"""Real workloads end to end, on one control plane with its own local Ray head (4 CPU
+workers, 2x2 HSDP, gloo on loopback):
+
+- tiny Hugging Face LlamaForCausalLM (config.json under the data root) and
+  Qwen3MoeForCausalLM (fused 3-D experts, config inline, activation checkpointing per
+  block) through REST, 10 steps in float64 with warmup+cosine, clipping and
+  accumulation: every exported parameter within 1e-9 of the single-process reference
+  (tests/_hf_reference.py);
+- ``dmuon-svc export JOB`` rewrites the export from the newest checkpoint;
+- a user's model by import path from a working_dir, through ``ray job submit`` and
+  through REST (``dmuon-svc submit --working-dir`` uploads the directory);
+- bad paths and sizes refused with their field path before anything is stored.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
+from _http import Service
+
+from service.local_ray import STATE_FILE, stop_recorded
+from service.train.shards import write_shard
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+USER_DIR = os.path.join(HERE, "data", "user_model")
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def svc(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("workloads"))
+    service = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
+    data = os.path.join(service.env["DMUON_STORAGE"], "data")
+    os.makedirs(os.path.join(data, "models", "llama"))
+    with open(os.path.join(data, "models", "llama", "config.json"), "w") as fh:
+        json.dump(LLAMA, fh)
+    service.data = data
+    try:
+        yield service
+    finally:
+        service.kill()
+        stop_recorded(service.env["DMUON_STORAGE"])
+
+
+def _wait(svc, job_id, timeout=300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        job = svc.request("GET", f"/v1/jobs/{job_id}")[1]
+        if job["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return job
+        time.sleep(0.5)
+    raise TimeoutError(f"{job_id} still {job['status']}")
+
+
+def _exported(svc, job_id) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for path in glob.glob(os.path.join(svc.env["DMUON_STORAGE"], job_id, "export",
+                                       "*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def _cli(svc, *args, cwd=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True,
+                          text=True, timeout=timeout, cwd=cwd,
+                          env={**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token})
+
+
+JOBS: dict[str, str] = {}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+def test_hf_models_through_rest_match_the_reference(svc, name):
+    config = LLAMA if name == "llama" else QWEN3_MOE
+    model = ({"hf": "models/llama"} if name == "llama" else
+             {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE})
+    # per-block activation checkpointing changes no arithmetic: the MoE job runs with it
+    checkpointing = "none" if name == "llama" else "non_reentrant"
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {
+        **RECIPE, "name": name, "model": model, "activation_checkpointing": checkpointing,
+        "checkpoint": {"interval": 4, "keep_last": 1}}})
+    assert status == 201, job
+    JOBS[name] = job["id"]
+    done = _wait(svc, job["id"])
+    assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
+    got, want = _exported(svc, job["id"]), reference_run(config)
+    assert set(got) == set(want)
+    if name == "llama":  # the export is what transformers loads
+        import transformers
+
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.join(svc.env["DMUON_STORAGE"], job["id"], "export"), dtype=torch.float64)
+        assert all(torch.equal(t, got[k]) for k, t in loaded.state_dict().items())
+    for key, value in want.items():
+        error = ((got[key] - value).abs().max() / value.abs().max()).item()
+        assert error <= 1e-9, (key, error)
+    dcp = os.path.join(svc.env["DMUON_STORAGE"], job["id"], "dcp")
+    assert sorted(os.listdir(dcp)) == ["step_000010"]  # every 4, the last kept, the final
+    part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
+    groups = part["param_groups"]
+    assert set(groups["muon"]) | set(groups["adamw"]) == set(want)
+    assert {k for k in want if ".layers." in k and want[k].ndim >= 2
+            and not k.endswith("mlp.gate.weight")} == set(groups["muon"])
+    records = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    assert len(records) == RECIPE["steps"] * WORLD
+    s = RECIPE["schedule"]
+    for r in records:
+        factor = lr_factor(r["step"] - 1, RECIPE["steps"], s["warmup_steps"], s["min_lr_ratio"])
+        assert r["lr"]["muon"] == pytest.approx(RECIPE["optimizer"]["lr"] * factor, rel=1e-12)
+        assert r["lr"]["adamw"] == pytest.approx(RECIPE["optimizer"]["adamw_lr"] * factor,
+                                                 rel=1e-12)
+        assert r["tokens_per_s_total"] == pytest.approx(WORLD * r["tokens_per_s"], rel=1e-12)
+        assert r["grad_norm"] > 0 and r["mfu"] is None  # no peak on a CPU
+
+
+def test_export_command_rewrites_the_export_from_the_checkpoint(svc):
+    job_id = JOBS["llama"]
+    before = _exported(svc, job_id)
+    shutil.rmtree(os.path.join(svc.env["DMUON_STORAGE"], job_id, "export"))
+    proc = _cli(svc, "export", job_id)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    after = _exported(svc, job_id)
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def _spec_of_user_job() -> dict:
+    import yaml
+
+    with open(os.path.join(USER_DIR, "job.yaml")) as fh:
+        return yaml.safe_load(fh)
+
+
+def _user_model_split(plan: dict) -> None:
+    groups = plan["param_groups"]
+    assert sorted(groups["muon"]) == sorted(
+        f"transformer.h.{i}.{m}.weight" for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj"))
+    assert groups["adamw_why"]["transformer.wte.weight"] == "outside the repeated blocks"
+    assert groups["adamw_why"]["transformer.h.0.c_fc.bias"] == "1-D"
+
+
+def test_user_model_by_ray_job_submit(svc):
+    with open(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE)) as fh:
+        dashboard = f"http://127.0.0.1:{json.load(fh)['dashboard_port']}"
+    storage = os.path.join(svc.root, "submitted")
+    env = {"working_dir": USER_DIR, "env_vars": {"GLOO_SOCKET_IFNAME": "lo",
+                                                 "OMP_NUM_THREADS": "1"}}
+    proc = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address",
+         dashboard, "--runtime-env-json", json.dumps(env), "--", sys.executable, "-m",
+         "service.train.entrypoint", "--spec", "job.yaml", "--storage", storage,
+         "--job-id", "by-ray-submit"], capture_output=True, text=True, timeout=400,
+        env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0 and '"status": "SUCCEEDED"' in proc.stdout, \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(os.path.join(storage, "by-ray-submit", "plan.json")) as fh:
+        _user_model_split(json.load(fh))
+    assert os.path.isfile(os.path.join(storage, "by-ray-submit", "export", "config.json"))
+
+
+def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
+    proc = _cli(svc, "submit", "job.yaml", "--working-dir", ".", cwd=USER_DIR)
+    assert proc.returncode == 0, proc.stderr
+    job_id = proc.stdout.split()[0]
+    done = _wait(svc, job_id)
+    assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
+    part = svc.request("GET", f"/v1/jobs/{job_id}/partition")[1]
+    _user_model_split(part)  # the plan the job completed (the service cannot import it)
+    assert part["params"] and part["modes"]["dmuon"] == "z3"
+    sys.path.insert(0, USER_DIR)
+    try:
+        from mymodels.gpt import build
+    finally:
+        sys.path.remove(USER_DIR)
+    model, spec = build(dim=32, layers=2), _spec_of_user_job()
+    dense = sum(p.numel() for n, p in model.named_parameters() if "wte" not in n and "wpe" not in n)
+    flops = 6 * dense + 12 * 2 * 32 * spec["seq_len"]  # PaLM's count, written out
+    for r in svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1]:
+        assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / 1e12, rel=1e-9)
+    bad = svc.request("POST", "/v1/jobs", {"spec": {**spec, "working_dir": "pkg-" + "0" * 32}})
+    assert bad[0] == 422 and bad[1]["detail"][0]["field"] == "spec.working_dir", bad
+
+
+def _bad_specs(data: str) -> list[tuple[dict, str]]:
+    os.makedirs(os.path.join(data, "bad"), exist_ok=True)
+    write_shard(os.path.join(data, "bad", "empty.bin"), np.zeros(0, np.uint16))
+    write_shard(os.path.join(data, "bad", "big_ids.bin"), np.full(4096, 300, np.uint16))
+    np.arange(100, dtype=np.uint16).tofile(os.path.join(data, "bad", "raw.bin"))
+    base = {"model": "tiny", "seq_len": 32}
+    return [
+        ({**base, "data": {"source": "nowhere/*.bin"}}, "spec.data.source"),
+        ({**base, "data": {"source": "bad/empty.bin"}}, "spec.data.source"),
+        ({**base, "data": {"source": "bad/big_ids.bin"}}, "spec.data.source"),  # vocab 301
+        ({**base, "data": {"source": "bad/raw.bin"}}, "spec.data.source"),  # no dtype
+        ({**base, "data": {"source": "bad/raw.bin", "dtype": "uint16"}},
+         "spec.data.val_fraction"),  # 100 tokens: 5 held out, no window of 33
+        ({**base, "data": {"source": "bad/big_ids.bin", "val_source": "none/*.bin"}},
+         "spec.data.val_source"),
+        ({"model": {"hf": "models/llama"}, "seq_len": 128}, "spec.seq_len"),  # limit 64
+        ({"model": {"hf": "models/missing"}}, "spec.model.hf"),
+        ({"model": {"hf": "models/llama", "weights": "models"}}, "spec.model.weights"),
+        ({**base, "model": "tiny", "dmuon": {"muon_params": r"lm_head\.weight"}},
+         "spec.dmuon.muon_params"),
+        ({**base, "batch_size": 2, "global_batch_tokens": 300}, "spec.global_batch_tokens"),
+    ]
+
+
+def test_bad_paths_and_sizes_are_refused_naming_the_field(svc):
+    stored = len(svc.request("GET", "/v1/jobs")[1])
+    for spec, field in _bad_specs(svc.data):
+        status, body = svc.request("POST", "/v1/jobs", {"spec": spec})
+        assert status == 422, (spec, body)
+        assert [d["field"] for d in body["detail"]] == [field], (spec, body)
+    assert len(svc.request("GET", "/v1/jobs")[1]) == stored  # nothing stored
