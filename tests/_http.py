@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,7 +13,7 @@ import time
 import requests
 
 from service.api.serve import wait_healthy
-from service.local_ray import free_port
+from service.local_ray import free_port, stop_recorded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,6 +48,15 @@ class Service:
             [*self.argv, "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
              "warning"], env=self.env, start_new_session=True, cwd=ROOT)
         wait_healthy(self.url, self.proc, timeout_s=120)
+
+    @contextlib.contextmanager
+    def serving(self):
+        """Yields the service; afterwards kills it and the Ray head it started."""
+        try:
+            yield self
+        finally:
+            self.kill()
+            stop_recorded(self.env["DMUON_STORAGE"])
 
     def kill(self, sig=signal.SIGKILL) -> None:
         if self.proc.poll() is None:

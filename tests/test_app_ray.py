@@ -13,7 +13,7 @@ import pytest
 from _browser import ARTIFACTS, page_with_errors
 from _http import Service
 
-from service.local_ray import STATE_FILE, stop_recorded
+from service.local_ray import STATE_FILE
 
 SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0}}
@@ -31,11 +31,8 @@ def stack(tmp_path_factory):
     svc = Service(root, argv=wrapper, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD),
                   RAY_ADDRESS="")
     svc.holds = holds
-    try:
+    with svc.serving():
         yield svc
-    finally:
-        svc.kill()
-        stop_recorded(svc.env["DMUON_STORAGE"])
 
 
 def _head(svc) -> dict:

@@ -28,7 +28,7 @@ import torch
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from _http import Service
 
-from service.local_ray import STATE_FILE, stop_recorded
+from service.local_ray import STATE_FILE
 from service.train.shards import write_shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -45,11 +45,8 @@ def svc(tmp_path_factory):
     with open(os.path.join(data, "models", "llama", "config.json"), "w") as fh:
         json.dump(LLAMA, fh)
     service.data = data
-    try:
+    with service.serving():
         yield service
-    finally:
-        service.kill()
-        stop_recorded(service.env["DMUON_STORAGE"])
 
 
 def _wait(svc, job_id, timeout=300) -> dict:
