@@ -4,11 +4,13 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
+WRK ?= /usr/bin/wrk
 export OMP_NUM_THREADS ?= 1
 export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
-.PHONY: install test demo demo-torchrun bench bench-convergence bench-modes lint clean
+.PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
+	bench-modes lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +26,11 @@ $(CHROMIUM):
 	apt-get install -y -qq chromium >/dev/null || \
 		(apt-get update -qq && apt-get install -y -qq chromium >/dev/null)
 
+# bench/api.py loads the service with Debian's wrk (a C client: it leaves the CPU to the service)
+$(WRK):
+	apt-get install -y -qq wrk >/dev/null || \
+		(apt-get update -qq && apt-get install -y -qq wrk >/dev/null)
+
 test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
 
@@ -36,10 +43,18 @@ demo-torchrun: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29517 \
 		-m service.torchrun_demo $(DEMO_ARGS)
 
-bench: $(STAMP)
+bench: $(STAMP) $(WRK)
 	$(PY) -m bench.core
 	$(PY) -m bench.ns
 	$(PY) -m bench.api
+
+# 4 ranks in a network namespace whose loopback a tbf qdisc throttles (root; RATE=3gbit)
+bench-overlap: $(STAMP)
+	$(PY) -m bench.overlap --rate $(or $(RATE),3gbit)
+
+# Gram vs standard NS judged by training: 12 trainings of 300 steps (about 10 minutes here)
+bench-ns-quality: $(STAMP)
+	$(PY) -m bench.ns_quality
 
 # DMuon vs AdamW on the built-in small model, LR-tuned, 3 seeds (about 20 minutes here)
 bench-convergence: $(STAMP)
