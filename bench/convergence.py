@@ -9,7 +9,7 @@ so its hooks and partition run; a plain module for AdamW) on the machine's cores
 AdamW is also run LONGER times as many steps (its schedule stretched to them, same LR and
 seeds) to find the step at which it reaches DMuon's final loss. Wall time is the training
 steps' own (set-up and validation left out). Prints a table, writes
-bench/results/convergence.json and bench/results/convergence.png (validation loss against
+bench/results/convergence.json and bench/figures/convergence.png (validation loss against
 steps and against wall time). Not a test: what was measured is reported, whatever it is.
 
     python -m bench.convergence [--steps 200] [--seeds 3]
@@ -26,6 +26,7 @@ import time
 import torch
 
 RESULTS = pathlib.Path(__file__).parent / "results"
+FIGURE = pathlib.Path(__file__).parent / "figures" / "convergence.png"  # the README shows it
 MUON_GRID = (0.02, 0.04, 0.08)  # Muon's lr; AdamW's part (embeddings, head, norms) 3e-3
 ADAMW_GRID = (5e-4, 1e-3, 2e-3, 4e-3)
 SEQ, BATCH, VAL_EVERY, VAL_BATCHES = 64, 8, 20, 8
@@ -176,7 +177,7 @@ def main(argv=None) -> None:
     results["bench_seconds"] = round(time.time() - t0, 1)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "convergence.json").write_text(json.dumps(results, indent=1))
-    plot(results, RESULTS / "convergence.png")
+    plot(results, FIGURE)
     print(table(results))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import sys
 import threading
 
@@ -57,6 +58,9 @@ async def _lifespan(app: FastAPI):
               "only to loopback Host names (DMUON_ALLOWED_HOSTS adds others)",
               file=sys.stderr, flush=True)
     await _start_runner(app)
+    # what imports and start-up made lives as long as the process: frozen out of the
+    # collector's reach, a full collection no longer stalls every open request
+    gc.freeze()
     yield
     if app.state.runner is not None:
         app.state.runner.close()
