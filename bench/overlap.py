@@ -7,10 +7,15 @@ and HSDP 2x2 with the replicate all-gather async and sync.
 Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
 ``bench._setups.take_turns``): the step time, the time the ranks sat waiting for
 parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
-replicate all-gather. Needs root and iproute2; everything it makes (one
-namespace) it removes. Prints a table and writes bench/results/overlap.json.
+replicate all-gather. Needs root and iproute2; everything it makes (its namespaces)
+it removes. Prints a table and writes bench/results/overlap.json.
 
-    python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3]
+``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
+own with a full-duplex link (a veth to a private bridge, a bucket of ``--rate`` in each
+direction). On the throttled loopback every byte of all 4 ranks, both directions,
+shares one bucket.
+
+    python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3] [--links per-rank]
 """
 
 from __future__ import annotations
@@ -123,11 +128,74 @@ def throttled(args) -> dict:
         _sh("ip", "netns", "del", ns)
 
 
+LINK = "dmlink0"  # the rank's side of its veth: one name in every namespace
+SUBNET = "10.201.0"
+
+
+def rank_inside(args) -> None:
+    """One rank in its own namespace (``--links per-rank``): joins the others over the
+    bridge, measures, writes its figures to ``args.inside``."""
+    import torch
+    import torch.distributed as dist
+
+    from service.local import PG_TIMEOUT, leave_process_group
+
+    torch.set_num_threads(1)
+    rank = args.rank
+    os.environ.update(MASTER_ADDR=f"{SUBNET}.11", MASTER_PORT="29531",
+                      GLOO_SOCKET_IFNAME=LINK, OMP_NUM_THREADS="1")
+    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=PG_TIMEOUT)
+    result = _worker(rank, 4, args.rounds, args.steps, args.batch, args.seq)
+    pathlib.Path(args.inside).write_text(json.dumps(result))
+    leave_process_group()
+
+
+def per_rank_links(args) -> dict:
+    """Four namespaces, each rank's veth throttled both ways, joined by a bridge."""
+    tag = os.getpid() % 100000
+    ranks, bridge = [f"dmr{tag}_{r}" for r in range(4)], f"dmrb{tag}"
+    made = []
+    try:
+        for ns in (*ranks, bridge):
+            _sh("ip", "netns", "add", ns)
+            made.append(ns)
+        _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
+        _sh("ip", "-n", bridge, "link", "set", "br0", "up")
+        bucket = ["tbf", "rate", args.rate, "burst", "256kb", "latency", "200ms"]
+        for r, ns in enumerate(ranks):
+            _sh("ip", "link", "add", LINK, "netns", ns, "type", "veth", "peer", "name",
+                f"p{r}", "netns", bridge)
+            _sh("ip", "-n", bridge, "link", "set", f"p{r}", "master", "br0", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{11 + r}/24", "dev", LINK)
+            _sh("ip", "-n", ns, "link", "set", LINK, "up")
+            _sh("ip", "-n", ns, "link", "set", "lo", "up")
+            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", LINK, "root", *bucket)
+            _sh("ip", "netns", "exec", bridge, "tc", "qdisc", "replace", "dev", f"p{r}",
+                "root", *bucket)
+        with tempfile.TemporaryDirectory() as out:
+            procs = [subprocess.Popen(
+                ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap", "--rank",
+                 str(r), "--inside", f"{out}/rank{r}.json", "--steps", str(args.steps),
+                 "--rounds", str(args.rounds), "--batch", str(args.batch), "--seq",
+                 str(args.seq)]) for r, ns in enumerate(ranks)]
+            if any(p.wait(timeout=3600) for p in procs):
+                raise RuntimeError("a rank failed")
+            per_rank = [json.loads(pathlib.Path(f"{out}/rank{r}.json").read_text())
+                        for r in range(4)]
+        return {name: {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
+                for name in SETUPS}
+    finally:
+        for ns in made:
+            _sh("ip", "netns", "del", ns)
+
+
 def report(args, r: dict) -> dict:
     base = r["fsdp2_adamw"]["step_s"]
     on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
     sync, asyn = r["dmuon_z3_hsdp2x2_sync"], r["dmuon_z3_hsdp2x2_async"]
-    print(f"\nloopback throttled to {args.rate} (tbf), 4 ranks, model 'small', "
+    where = ("a full-duplex link per rank" if args.links == "per-rank"
+             else "loopback shared by the 4 ranks")
+    print(f"\n{where} throttled to {args.rate} (tbf), model 'small', "
           f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
           f"{args.steps} steps")
     print("| set-up | step (ms) | / FSDP2+AdamW | exposed gather wait (ms) |"
@@ -162,15 +230,21 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="turns per set-up")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--links", choices=("shared", "per-rank"), default="shared")
     ap.add_argument("--inside", help=argparse.SUPPRESS)  # the namespace's side
+    ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # per-rank: this rank
     args = ap.parse_args(argv)
+    if args.rank is not None:
+        rank_inside(args)
+        return
     if args.inside:
         pathlib.Path(args.inside).write_text(json.dumps(inside(args)))
         return
-    results = throttled(args)
+    results = per_rank_links(args) if args.links == "per-rank" else throttled(args)
     summary = report(args, results)
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "overlap.json").write_text(json.dumps(
+    name = "overlap.json" if args.links == "shared" else "overlap_per_rank.json"
+    (RESULTS / name).write_text(json.dumps(
         {"args": vars(args), "results": results, "summary": summary}, indent=2))
 
 
