@@ -5,10 +5,20 @@ reduced once) both equal one backward of the summed loss."""
 from __future__ import annotations
 
 import pytest
-from test_hsdp import hsdp
+from _train import hsdp_train
+
+from service.local import run
 
 STEPS, MICRO = 5, 3  # each rank's 4 rows as micro-batches of 2, 1 and 1
 LAYOUTS = [((1, 4), False), ((1, 4), True), ((2, 2), True)]
+
+
+def _three_ways(rank, world, layout, z3):
+    """One backward per step, repeated backward and no_sync, in one set of processes."""
+    ways = {"one": {}, "repeated": {"micro": MICRO, "accumulate": "backward"},
+            "no_sync": {"micro": MICRO}}
+    return {name: hsdp_train(rank, world, layout, z3=z3, steps=STEPS, **kwargs)
+            for name, kwargs in ways.items()}
 
 
 def _rel_err(a, b):
@@ -17,9 +27,8 @@ def _rel_err(a, b):
 
 @pytest.mark.parametrize("layout,z3", LAYOUTS, ids=["z2", "z3", "hsdp2x2"])
 def test_repeated_backward_and_no_sync_equal_one_backward_of_the_sum(layout, z3):
-    one = hsdp(z3=z3, layout=layout, steps=STEPS)
-    repeated = hsdp(z3=z3, layout=layout, steps=STEPS, micro=MICRO, accumulate="backward")
-    no_sync = hsdp(z3=z3, layout=layout, steps=STEPS, micro=MICRO)
+    runs = run(_three_ways, layout, z3, world_size=4)
+    one, repeated, no_sync = ([r[name] for r in runs] for name in ("one", "repeated", "no_sync"))
     for rank in range(4):
         for key, value in one[rank]["final"].items():
             assert _rel_err(repeated[rank]["final"][key], value) <= 1e-9, (rank, key)
