@@ -100,9 +100,19 @@ def inside(args) -> dict:
     """The measurements, run inside the throttled namespace."""
     from service.local import run
 
-    per_rank = run(_worker, args.rounds, args.steps, args.batch, args.seq, world_size=4)
+    return _slowest(run(_worker, args.rounds, args.steps, args.batch, args.seq, world_size=4))
+
+
+def _slowest(per_rank: list[dict]) -> dict:
+    """Per set-up and figure, the slowest rank's median."""
     return {name: {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
             for name in SETUPS}
+
+
+def _measure_args(args) -> list[str]:
+    """What a measuring process (``--inside``) is told of the run."""
+    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch",
+            str(args.batch), "--seq", str(args.seq)]
 
 
 def _sh(*cmd: str) -> None:
@@ -119,8 +129,7 @@ def throttled(args) -> dict:
             "rate", args.rate, "burst", "256kb", "latency", "200ms")
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             cmd = ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap",
-                   "--inside", out.name, "--steps", str(args.steps), "--rounds",
-                   str(args.rounds), "--batch", str(args.batch), "--seq", str(args.seq)]
+                   "--inside", out.name, *_measure_args(args)]
             subprocess.run(cmd, check=True, timeout=3600,
                            env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
             return json.loads(pathlib.Path(out.name).read_text())
@@ -175,15 +184,12 @@ def per_rank_links(args) -> dict:
         with tempfile.TemporaryDirectory() as out:
             procs = [subprocess.Popen(
                 ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap", "--rank",
-                 str(r), "--inside", f"{out}/rank{r}.json", "--steps", str(args.steps),
-                 "--rounds", str(args.rounds), "--batch", str(args.batch), "--seq",
-                 str(args.seq)]) for r, ns in enumerate(ranks)]
+                 str(r), "--inside", f"{out}/rank{r}.json", *_measure_args(args)])
+                for r, ns in enumerate(ranks)]
             if any(p.wait(timeout=3600) for p in procs):
                 raise RuntimeError("a rank failed")
-            per_rank = [json.loads(pathlib.Path(f"{out}/rank{r}.json").read_text())
-                        for r in range(4)]
-        return {name: {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
-                for name in SETUPS}
+            return _slowest([json.loads(pathlib.Path(f"{out}/rank{r}.json").read_text())
+                             for r in range(4)])
     finally:
         for ns in made:
             _sh("ip", "netns", "del", ns)
