@@ -6,10 +6,10 @@ for DMuon).
 4 gloo ranks on the CPU, built-in model ``small`` (d=256, 4 layers), NS in fp32. Times
 are per-rank medians, then the slowest rank; the set-ups live in one set of processes
 and are measured in turns (``bench._setups.take_turns``), so the machine's load falls on
-all of them alike. The
-floor of a DMuon set-up is FSDP2 + AdamW's full step plus that set-up's busiest rank's
-NS time, both from this run: the NS work has to run somewhere. Prints tables and writes
-bench/results/core.json. Not a test: the targets are reported, not asserted.
+all of them alike. The floor of a DMuon set-up is FSDP2 + AdamW's full step plus that
+set-up's busiest rank's NS time, both from this run: the NS work has to run somewhere.
+Prints tables and writes bench/results/core.json. Not a test: the targets are reported,
+not asserted.
 """
 
 from __future__ import annotations
