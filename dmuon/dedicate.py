@@ -192,8 +192,8 @@ class DMuonState:
 
     def finish_gradient_sync(self) -> None:
         """Every gradient reduced and landed on its owner (clipping)."""
-        self.end_backward()
-        self.reduce.finish(self.boundaries)
+        for _ in self.landing_order():
+            pass
 
     def landing_order(self):
         """The boundaries as their gradients land (the reduces' fixed order), each one

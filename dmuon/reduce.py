@@ -171,13 +171,6 @@ class GradientReduce:
             if not present[m.index]:
                 b.masters[m.fqn].grad = None
 
-    def finish(self, boundaries: list[Boundary]) -> None:
-        """Every boundary landed (clipping needs them all). Idempotent until the next
-        backward."""
-        for b in reversed(boundaries):
-            self.land(b)
-        self.close_step()
-
     def close_step(self) -> None:
         if not self._finished:
             self.presence.zero_()
