@@ -58,7 +58,7 @@ def _shards(root: str, pattern: str, dtype: str | None, field: str) -> list[dict
     return shards
 
 
-def _data_vocab(shards, field: str) -> int:
+def _data_vocab(shards) -> int:
     """The data's vocabulary: ``meta.json`` of ``prepare`` when present, else the
     largest token id + 1 (read in chunks)."""
     meta = os.path.join(os.path.dirname(shards[0].path), META_FILE)
@@ -98,8 +98,7 @@ def resolve_data(spec: JobSpec, root: str) -> dict:
     if _windows(val or train, spec.seq_len, 1.0 if val else data.val_fraction) == 0:
         raise SpecError(f"{'data.val_source' if val else 'data.val_fraction'}: no "
                         f"validation window of {spec.seq_len + 1} tokens fits")
-    vocab = max(_data_vocab(train, "data.source"),
-                _data_vocab(val, "data.val_source") if val else 0)
+    vocab = max(_data_vocab(train), _data_vocab(val) if val else 0)
     return {"kind": "tokens", "train": [s.to_dict() for s in train],
             "val": [s.to_dict() for s in val] if val else None, "vocab": vocab}
 

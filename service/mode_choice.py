@@ -58,7 +58,6 @@ def decide(mode: str, fsdp_reshard: bool | None, *, params: int, gpus: int, shar
            device_bytes: int, z2_bytes: int, z3_bytes: int, resident_pm: int) -> ModeChoice:
     """The mode to run: the spec's when it names one, else the tree above."""
     usable = HEADROOM * device_bytes
-    fits = (z2_bytes if mode == "z2" else z3_bytes) <= usable
     b = params / 1e9
     if mode != "auto":
         dmuon, reason = mode, f"set by the spec (dmuon.mode: {mode})"

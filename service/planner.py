@@ -383,12 +383,13 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int) ->
                            vocab=embed.num_embeddings if embed else 0, elt=elt,
                            checkpointed=spec.activation_checkpointing != "none")
     gathered_others = sum(math.prod(s) for s in others) * elt
+    fsdp_by_index = [_fsdp_bytes(others, shard, s, master) for s in range(shard)]
     totals = {}
     for z3 in (False, True):
         peak = cost.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
         worst = 0
         for rank in range(world):
-            fsdp, adamw = _fsdp_bytes(others, shard, rank % shard, master)
+            fsdp, adamw = fsdp_by_index[rank % shard]
             held = cost.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
                                           master_bytes=master)
             grads = plan.elements_per_rank[rank] * master + fsdp

@@ -85,20 +85,20 @@ def validation_loss(model, spec: JobSpec, batches: Batches, dp_rank: int, dp_siz
 def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: tuple[int, int],
                micros: int) -> tuple[float, float | None]:
     """One optimizer step over ``micros`` micro-batches; returns (loss, grad norm)."""
-    loss = 0.0
+    loss = torch.zeros((), dtype=torch.float64, device=device())
     for i in range(micros):
         rows = batches.rows(step, spec.batch_size, dp[0], dp[1], i, micros).to(device())
         skip_sync = i < micros - 1
         with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
             micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
             micro_loss.backward()
-        loss += micro_loss.item()
+        loss += micro_loss.detach().double()
     norm = None
     if spec.clip_grad_norm is not None:
         norm = dmuon.clip_grad_norm_(model, spec.clip_grad_norm).item()
     opt.step()
     opt.zero_grad()
-    return loss, norm
+    return loss.item(), norm
 
 
 def _layout(mesh: DeviceMesh) -> tuple[int, int, int, int]:
