@@ -16,7 +16,7 @@ import stat
 
 from .spec import MAX_DATA_BYTES, JobSpec, SpecError
 from .spec_model import builtin_config
-from .train.shards import ShardError, describe, match, max_token
+from .train.shards import ShardError, describe, match, max_token, split_part, window_count
 
 BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
 META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
@@ -68,10 +68,6 @@ def _data_vocab(shards) -> int:
     return max_token(shards) + 1
 
 
-def _windows(shards, seq_len: int, part: float) -> int:
-    return sum(max(0, int(s.tokens * part) - seq_len) for s in shards)
-
-
 def resolve_data(spec: JobSpec, root: str) -> dict:
     data = spec.data
     if data.source == "builtin":
@@ -83,19 +79,25 @@ def resolve_data(spec: JobSpec, root: str) -> dict:
             raise SpecError(f"data.source: {data.source!r} has {info.st_size} bytes; a text "
                             f"file is read whole, at most {MAX_DATA_BYTES}: tokenize it "
                             "into shards with `dmuon-svc prepare`")
-        if info.st_size * min(data.val_fraction, 1 - data.val_fraction) <= spec.seq_len:
-            raise SpecError(f"data.source: {data.source!r} ({info.st_size} bytes) is too "
-                            f"short for seq_len={spec.seq_len} in both splits")
+        for split, field in (("train", "data.source"), ("val", "data.val_fraction")):
+            if window_count([info.st_size], spec.seq_len,
+                            split_part(split, data.val_fraction)) == 0:
+                raise SpecError(f"{field}: {data.source!r} ({info.st_size} bytes) has no "
+                                f"{split} window of seq_len+1={spec.seq_len + 1} bytes with "
+                                f"val_fraction={data.val_fraction}")
         return {"kind": "text", "path": path, "vocab": BYTE_VOCAB}
     train = _shards(root, data.source, data.dtype, "data.source")
     val = _shards(root, data.val_source, data.dtype, "data.val_source") \
         if data.val_source else None
-    train_part = 1.0 if val else 1 - data.val_fraction
-    if _windows(train, spec.seq_len, train_part) == 0:
+    sizes = [s.tokens for s in train]
+    if window_count(sizes, spec.seq_len,
+                    (0.0, 1.0) if val else split_part("train", data.val_fraction)) == 0:
         raise SpecError(f"data.source: {sum(s.tokens for s in train)} tokens in "
                         f"{len(train)} shard(s): no training window of seq_len+1="
                         f"{spec.seq_len + 1} tokens fits in one shard")
-    if _windows(val or train, spec.seq_len, 1.0 if val else data.val_fraction) == 0:
+    val_sizes, val_part = ([s.tokens for s in val], (0.0, 1.0)) if val else \
+        (sizes, split_part("val", data.val_fraction))
+    if window_count(val_sizes, spec.seq_len, val_part) == 0:
         raise SpecError(f"{'data.val_source' if val else 'data.val_fraction'}: no "
                         f"validation window of {spec.seq_len + 1} tokens fits")
     vocab = max(_data_vocab(train), _data_vocab(val) if val else 0)

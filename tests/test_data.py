@@ -14,6 +14,7 @@ import pytest
 
 from service.inputs import resolve_inputs
 from service.spec import SpecError, parse_spec
+from service.train.data import Batches
 from service.train.shards import TokenWindows, describe, tokens_of, write_shard
 
 WORDS = ("muon", "owner", "shard", "gather", "reduce", "newton", "schulz", "matrix",
@@ -179,6 +180,40 @@ def test_bad_paths_and_sizes_name_their_field(tmp_path):
         assert _refused(spec, root) == field, spec
     assert resolve_inputs(parse_spec({**tokens, "data": {"source": "d/ok.bin"}}),
                           root)["data"]["vocab"] == 250  # scanned: largest id + 1
+
+
+def test_a_spec_is_accepted_exactly_when_its_workers_find_windows(tmp_path):
+    """The control plane's check and the workers' sampler agree at the edge, where the
+    held-out part's rounding decides whether one window fits (the check once counted
+    int(n x val_fraction) tokens held out; the workers hold out n - int(n x (1 - vf)))."""
+    seq_len, vf, seen = 8, 0.05, set()
+    for n in range(150, 200):
+        write_shard(str(tmp_path / f"s{n}.bin"), np.arange(n, dtype=np.uint16) % 200)
+        (tmp_path / f"t{n}.txt").write_bytes(bytes(i % 200 for i in range(n)))
+        for name in (f"s{n}.bin", f"t{n}.txt"):
+            spec = parse_spec({"model": "tiny", "seq_len": seq_len,
+                               "data": {"source": name, "val_fraction": vf}})
+            try:
+                data, accepted = resolve_inputs(spec, str(tmp_path))["data"], True
+            except SpecError:
+                data, accepted = _worker_data(name, tmp_path), False
+            try:
+                for split in ("train", "val"):
+                    Batches(data, split, seq_len, seed=0, val_fraction=vf)
+                runs = True
+            except ValueError:
+                runs = False
+            assert accepted == runs, (name, accepted, runs)
+            seen.add(accepted)
+    assert seen == {True, False}  # the range crosses the edge
+
+
+def _worker_data(name: str, root) -> dict:
+    """What resolve_data would hand the workers had it accepted the spec."""
+    path = str(root / name)
+    if name.endswith(".txt"):
+        return {"kind": "text", "path": path}
+    return {"kind": "tokens", "train": [describe(path).to_dict()], "val": None}
 
 
 def test_npy_shards_and_raw_bin_with_the_spec_dtype(tmp_path):

@@ -11,6 +11,8 @@ import sysconfig
 
 import torch
 
+from .shards import part_bounds, split_part
+
 VOCAB_SIZE = 256
 
 
@@ -54,6 +56,5 @@ def load_text_corpus(path: str, split: str = "train",
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     data = pathlib.Path(path).read_bytes()
-    cut = int(len(data) * (1 - val_fraction))
-    part = data[:cut] if split == "train" else data[cut:]
-    return torch.frombuffer(bytearray(part), dtype=torch.uint8).clone()
+    lo, hi = part_bounds(len(data), split_part(split, val_fraction))
+    return torch.frombuffer(bytearray(data[lo:hi]), dtype=torch.uint8).clone()

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from .corpus import load_corpus, load_text_corpus
-from .shards import Shard, TokenWindows, tokens_of
+from .shards import Shard, TokenWindows, split_part, tokens_of
 
 VAL_STREAM = 1  # validation batches draw from seed + 1, apart from training's
 
@@ -25,8 +25,7 @@ def _arrays(data: dict, split: str, val_fraction: float):
     arrays = [tokens_of(Shard(**s)) for s in data["train"]]
     if data.get("val"):
         return arrays, (0.0, 1.0)
-    cut = 1 - val_fraction
-    return arrays, ((0.0, cut) if split == "train" else (cut, 1.0))
+    return arrays, split_part(split, val_fraction)
 
 
 class Batches:

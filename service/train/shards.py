@@ -100,6 +100,24 @@ def max_token(shards: list[Shard], chunk: int = 1 << 26) -> int:
     return top
 
 
+def split_part(split: str, val_fraction: float) -> tuple[float, float]:
+    """The part of each shard (fractions of its length) a split reads when the
+    validation data is the last ``val_fraction`` of the training data."""
+    cut = 1 - val_fraction
+    return (0.0, cut) if split == "train" else (cut, 1.0)
+
+
+def part_bounds(size: int, part: tuple[float, float]) -> tuple[int, int]:
+    """Token positions ``[lo, hi)`` of a part of a ``size``-token shard."""
+    return int(size * part[0]), int(size * part[1])
+
+
+def window_count(sizes, seq_len: int, part: tuple[float, float] = (0.0, 1.0)) -> int:
+    """How many windows ``TokenWindows`` numbers in that part of shards of these sizes:
+    the control plane checks a spec with the count the workers will sample from."""
+    return sum(max(0, hi - lo - seq_len) for lo, hi in (part_bounds(n, part) for n in sizes))
+
+
 class TokenWindows:
     """Windows of ``seq_len + 1`` tokens that lie inside one shard's part
     ``[lo, hi)`` (fractions of its length), numbered across shards in order."""
@@ -107,7 +125,7 @@ class TokenWindows:
     def __init__(self, arrays: list[np.ndarray], seq_len: int,
                  part: tuple[float, float] = (0.0, 1.0)):
         self.arrays, self.seq_len = arrays, seq_len
-        self.bounds = [(int(a.size * part[0]), int(a.size * part[1])) for a in arrays]
+        self.bounds = [part_bounds(a.size, part) for a in arrays]
         counts = [max(0, hi - lo - seq_len) for lo, hi in self.bounds]
         self.ends = np.cumsum(counts)
         self.total = int(self.ends[-1]) if counts else 0
