@@ -104,8 +104,10 @@ class NaiveFSDPMuon(torch.optim.Optimizer):
         self.adamw.zero_grad(set_to_none)
 
 
-def build(setup: Setup, world: int, model_name: str, clock: NSClock):
-    """The model with FSDP2 (and DMuon) applied, and its optimizer."""
+def build(setup: Setup, world: int, model_name: str, clock: NSClock,
+          fsdp_layers: bool = True):
+    """The model with FSDP2 (and DMuon) applied, and its optimizer. ``fsdp_layers=False``
+    wraps a DMuon set-up's FSDP2 at the root only (its layers keep just their norms)."""
     mesh = init_device_mesh("cpu", (2, world // 2) if setup.hsdp else (1, world),
                             mesh_dim_names=("replicate", "shard"))
     fsdp_mesh = mesh if setup.hsdp else mesh["shard"]
@@ -114,7 +116,7 @@ def build(setup: Setup, world: int, model_name: str, clock: NSClock):
         dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
                               replicate_mesh=mesh["replicate"] if setup.hsdp else None,
                               reshard_after_forward=setup.z3, prefetch=setup.prefetch)
-    for layer in model.model.layers:
+    for layer in model.model.layers if fsdp_layers or setup.optimizer != "dmuon" else ():
         dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=setup.z3)
     dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=setup.z3)
     if setup.optimizer == "adamw":

@@ -7,7 +7,9 @@ and HSDP 2x2 with the replicate all-gather async and sync.
 Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
 ``bench._setups.take_turns``): the step time, the time the ranks sat waiting for
 parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
-replicate all-gather. Needs root and iproute2; everything it makes (its namespaces)
+replicate all-gather, the time in FSDP2's own collective-issuing hooks, and the CPU time
+of the 4 ranks together. On the shared bucket it also prints DMuon-Z3's link floor:
+its ledger's bytes at the rate plus its optimizer step. Needs root and iproute2; everything it makes (its namespaces)
 it removes. Prints a table and writes bench/results/overlap.json.
 
 ``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
@@ -16,6 +18,7 @@ direction). On the throttled loopback every byte of all 4 ranks, both directions
 shares one bucket.
 
     python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3] [--links per-rank]
+                            [--dmuon-fsdp root]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import pathlib
+import re
 import statistics
 import subprocess
 import sys
@@ -36,17 +40,24 @@ SETUPS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3", "dmuon_z3_n
 
 
 class Waits:
-    """Seconds this rank blocks in DMuon's all-gather waits, by kind (bench-side timing
-    of the two methods, so production code carries no clock)."""
+    """Seconds this rank spends in DMuon's waits, by kind, and in FSDP2's own hooks that
+    issue collectives (on the CPU FSDP2 has no streams, so its all-gathers and
+    reduce-scatters block there); bench-side timing of the methods, so production code
+    carries no clock."""
 
     def __init__(self):
+        from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
         from dmuon.buffers import Boundary
         from dmuon.reduce import GradientReduce
 
-        self.seconds = {"gather": 0.0, "replicate": 0.0, "reduce": 0.0}
+        self.seconds = {"gather": 0.0, "replicate": 0.0, "reduce": 0.0, "fsdp2": 0.0}
         for kind, owner, name in (("gather", Boundary, "wait_gather"),
                                   ("replicate", Boundary, "wait_replicate"),
-                                  ("reduce", GradientReduce, "land")):
+                                  ("reduce", GradientReduce, "land"),
+                                  ("fsdp2", FSDPParamGroup, "unshard"),
+                                  ("fsdp2", FSDPParamGroup, "wait_for_unshard"),
+                                  ("fsdp2", FSDPParamGroup, "post_backward")):
             setattr(owner, name, self._timed(kind, getattr(owner, name)))
 
     def _timed(self, kind, method):
@@ -62,7 +73,13 @@ class Waits:
         return out
 
 
-def _worker(rank, world, rounds, steps, batch, seq):
+def _cpu_seconds() -> float:
+    """CPU time of this process, its gloo threads included."""
+    t = os.times()
+    return t.user + t.system
+
+
+def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers):
     import torch.distributed as dist
 
     from bench._setups import SETUPS as ALL
@@ -77,7 +94,7 @@ def _worker(rank, world, rounds, steps, batch, seq):
         tokens = batch_at(corpus, index, batch * world, seq)[rank * batch:(rank + 1) * batch]
         dist.barrier()
         waits.take()
-        t0 = time.perf_counter()
+        c0, t0 = _cpu_seconds(), time.perf_counter()
         loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         t1 = time.perf_counter()
         loss.backward()
@@ -85,12 +102,16 @@ def _worker(rank, world, rounds, steps, batch, seq):
         opt.step()
         opt.zero_grad()
         elapsed, wait = time.perf_counter() - t0, waits.take()
+        ledger = getattr(opt, "ledger", None)
         return {"step_s": elapsed, "forward_s": t1 - t0, "backward_s": t2 - t1,
                 "gather_wait_s": wait["gather"], "replicate_wait_s": wait["replicate"],
-                "reduce_wait_s": wait["reduce"], "ns_s": clock.take()}
+                "reduce_wait_s": wait["reduce"], "fsdp2_s": wait["fsdp2"],
+                "ns_s": clock.take(), "cpu_s": _cpu_seconds() - c0,
+                "dmuon_wire_bytes": float(ledger.last_step()) if ledger else 0.0}
 
     with clock.installed():
-        built = {name: build(ALL[name], world, "small", clock) for name in SETUPS}
+        built = {name: build(ALL[name], world, "small", clock, fsdp_layers=fsdp_layers)
+                 for name in SETUPS}
         records = take_turns(built, rounds, steps, step)
     return {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             for name, rows in records.items()}
@@ -100,19 +121,23 @@ def inside(args) -> dict:
     """The measurements, run inside the throttled namespace."""
     from service.local import run
 
-    return _slowest(run(_worker, args.rounds, args.steps, args.batch, args.seq, world_size=4))
+    return _slowest(run(_worker, args.rounds, args.steps, args.batch, args.seq,
+                        args.dmuon_fsdp == "layers", world_size=4))
+
+
+SUMMED = ("cpu_s", "dmuon_wire_bytes")  # figures of the job, not of one rank
 
 
 def _slowest(per_rank: list[dict]) -> dict:
-    """Per set-up and figure, the slowest rank's median."""
-    return {name: {k: max(r[name][k] for r in per_rank) for k in per_rank[0][name]}
-            for name in SETUPS}
+    """Per set-up and figure, the slowest rank's median (summed over ranks: ``SUMMED``)."""
+    return {name: {k: (sum if k in SUMMED else max)(r[name][k] for r in per_rank)
+                   for k in per_rank[0][name]} for name in SETUPS}
 
 
 def _measure_args(args) -> list[str]:
     """What a measuring process (``--inside``) is told of the run."""
     return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch",
-            str(args.batch), "--seq", str(args.seq)]
+            str(args.batch), "--seq", str(args.seq), "--dmuon-fsdp", args.dmuon_fsdp]
 
 
 def _sh(*cmd: str) -> None:
@@ -154,7 +179,8 @@ def rank_inside(args) -> None:
     os.environ.update(MASTER_ADDR=f"{SUBNET}.11", MASTER_PORT="29531",
                       GLOO_SOCKET_IFNAME=LINK, OMP_NUM_THREADS="1")
     dist.init_process_group("gloo", rank=rank, world_size=4, timeout=PG_TIMEOUT)
-    result = _worker(rank, 4, args.rounds, args.steps, args.batch, args.seq)
+    result = _worker(rank, 4, args.rounds, args.steps, args.batch, args.seq,
+                     args.dmuon_fsdp == "layers")
     pathlib.Path(args.inside).write_text(json.dumps(result))
     leave_process_group()
 
@@ -203,13 +229,15 @@ def report(args, r: dict) -> dict:
              else "loopback shared by the 4 ranks")
     print(f"\n{where} throttled to {args.rate} (tbf), model 'small', "
           f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
-          f"{args.steps} steps")
+          f"{args.steps} steps; DMuon's layers FSDP2-wrapped: {args.dmuon_fsdp}")
     print("| set-up | step (ms) | / FSDP2+AdamW | exposed gather wait (ms) |"
-          " replicate wait (ms) | NS (ms) |\n|---|---:|---:|---:|---:|---:|")
+          " replicate wait (ms) | NS (ms) | in FSDP2's hooks (ms) | CPU, 4 ranks (ms) |"
+          "\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in r.items():
         print(f"| {name} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / base:.3f} |"
               f" {row['gather_wait_s'] * 1e3:.0f} | {row['replicate_wait_s'] * 1e3:.0f} |"
-              f" {row['ns_s'] * 1e3:.0f} |")
+              f" {row['ns_s'] * 1e3:.0f} | {row['fsdp2_s'] * 1e3:.0f} |"
+              f" {row['cpu_s'] * 1e3:.0f} |")
     summary = {
         "prefetch_saving": 1 - on["step_s"] / off["step_s"],
         "exposed_gather_removed_s": off["gather_wait_s"] - on["gather_wait_s"],
@@ -226,7 +254,27 @@ def report(args, r: dict) -> dict:
     print(f"HSDP async gains {summary['async_gain_s'] * 1e3:.0f} ms per step; the sync "
           f"replicate all-gather waits {summary['replicate_wait_sync_s'] * 1e3:.0f} ms "
           "(target: gain >= half of it)")
+    if args.links == "shared":
+        summary.update(_link_floor(args.rate, on, off))
     return summary
+
+
+def _link_floor(rate: str, on: dict, off: dict) -> dict:
+    """The least step time of DMuon-Z3 on the shared bucket: its bytes (the ledger's,
+    summed over ranks: every byte a rank sends passes the one bucket) all move during
+    forward and backward (the optimizer step sends none), so the step takes at least
+    their time at the rate plus the optimizer step's own."""
+    number, unit = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate).groups()
+    bits_per_s = float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+    link_s = on["dmuon_wire_bytes"] * 8 / bits_per_s
+    opt_step_s = on["step_s"] - on["forward_s"] - on["backward_s"]
+    floor = link_s + opt_step_s
+    print(f"DMuon-Z3 link floor: {on['dmuon_wire_bytes'] / 1e6:.1f} MB per step through "
+          f"the bucket = {link_s * 1e3:.0f} ms at {rate}, + the optimizer step "
+          f"{opt_step_s * 1e3:.0f} ms = {floor * 1e3:.0f} ms: prefetch can save at most "
+          f"{1 - floor / off['step_s']:.1%}")
+    return {"z3_link_s": link_s, "z3_floor_s": floor,
+            "prefetch_saving_bound": 1 - floor / off["step_s"]}
 
 
 def main(argv=None) -> None:
@@ -237,6 +285,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--links", choices=("shared", "per-rank"), default="shared")
+    ap.add_argument("--dmuon-fsdp", choices=("layers", "root"), default="layers",
+                    help="DMuon set-ups: FSDP2 per layer and at the root (their layers "
+                         "keep only norms for FSDP2), or at the root only")
     ap.add_argument("--inside", help=argparse.SUPPRESS)  # the namespace's side
     ap.add_argument("--rank", type=int, help=argparse.SUPPRESS)  # per-rank: this rank
     args = ap.parse_args(argv)
