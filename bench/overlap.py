@@ -9,8 +9,9 @@ Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
 parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
 replicate all-gather, the time in FSDP2's own collective-issuing hooks, and the CPU time
 of the 4 ranks together. On the shared bucket it also prints DMuon-Z3's link floor:
-its ledger's bytes at the rate plus its optimizer step. Needs root and iproute2; everything it makes (its namespaces)
-it removes. Prints a table and writes bench/results/overlap.json.
+its ledger's bytes at the rate plus its optimizer step. Needs root and iproute2;
+everything it makes (its namespaces) it removes. Prints a table and writes
+bench/results/overlap.json.
 
 ``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
 own with a full-duplex link (a veth to a private bridge, a bucket of ``--rate`` in each
