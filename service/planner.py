@@ -26,6 +26,7 @@ import dmuon
 from .mode_choice import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
 from .spec import JobSpec, SpecError, parse_spec
 from .train.dtypes import DTYPES
+from .train.mesh import fsdp2_rows
 from .train.recipe import micro_batches
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
@@ -276,9 +277,9 @@ def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, 
     storage = state = 0
     for shape in shapes:
         rows, rest = shape[0], math.prod(shape[1:])
-        per = -(-rows // n)
-        mine = max(0, min(per, rows - rank * per))
-        storage += per * rest * elt if mine else 0
+        lo, hi = fsdp2_rows(rows, n, rank)
+        mine = hi - lo
+        storage += -(-rows // n) * rest * elt if mine else 0
         state += 2 * mine * rest * elt
     return storage, state
 

@@ -23,6 +23,8 @@ from torch import nn
 import dmuon
 from dmuon.state_dict import canonical_fqn
 
+from .mesh import fsdp2_rows
+
 INDEX = "model.safetensors.index.json"
 
 
@@ -60,11 +62,10 @@ def _dedicated_entries(model, mesh, rank: int) -> dict[str, Entry]:
 def _sharded_entry(key: str, param, mesh, rank: int) -> Entry:
     """An FSDP2 param: its dim-0 chunks on the first replica row's shard ranks."""
     row = mesh.mesh[0] if mesh.ndim == 2 else mesh.mesh
-    n, rows = len(row), param.shape[0]
-    per = -(-rows // n)
     entry = Entry(key)
-    for s in range(n):
-        count = max(0, min(per, rows - s * per))
+    for s in range(len(row)):
+        lo, hi = fsdp2_rows(param.shape[0], len(row), s)
+        count = hi - lo
         if count:
             holder = int(row[s])
             local = param.to_local().detach() if holder == rank else None

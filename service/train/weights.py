@@ -17,6 +17,7 @@ import dmuon
 from dmuon.state_dict import canonical_fqn
 
 from .export import INDEX
+from .mesh import fsdp2_rows
 
 
 def _key_files(weights_dir: str) -> dict[str, str]:
@@ -36,10 +37,7 @@ def _key_files(weights_dir: str) -> dict[str, str]:
 def _shard_rows(param) -> tuple[int, int]:
     """The rows of an FSDP2 (dim-0 sharded) param this rank keeps."""
     mesh = param.device_mesh
-    n, s = mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1)
-    rows = param.shape[0]
-    per = -(-rows // n)
-    return min(rows, s * per), min(rows, (s + 1) * per)
+    return fsdp2_rows(param.shape[0], mesh.size(-1), mesh.get_local_rank(mesh.ndim - 1))
 
 
 @torch.no_grad()
