@@ -127,7 +127,7 @@ def _hf_limits(spec: JobSpec, fields: dict) -> tuple[int | None, int | None]:
     if vocab is None or longest is None:  # the config class's defaults
         import transformers
 
-        arch = spec.model.hf_arch or (fields.get("architectures") or [None])[0]
+        arch = spec.model.architecture(fields)
         cls = getattr(transformers, arch, None) if arch else None
         if cls is None or not hasattr(cls, "config_class"):
             raise SpecError(f"model.hf_arch: unknown architecture {arch!r} in transformers")

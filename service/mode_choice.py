@@ -18,6 +18,10 @@ The tree (seeds, "Z2 vs Z3 Modes"), in order:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .spec_recipe import DMuonSpec
 
 GB = 1e9
 HEADROOM = 0.9  # allocator fragmentation, CUDA context, NCCL buffers
@@ -54,9 +58,10 @@ def activation_bytes(*, tokens: int, hidden: int, layers: int, vocab: int, elt: 
     return kept + tokens * vocab * (elt + 4)
 
 
-def decide(mode: str, fsdp_reshard: bool | None, *, params: int, gpus: int, shard: int,
-           device_bytes: int, z2_bytes: int, z3_bytes: int, resident_pm: int) -> ModeChoice:
+def decide(spec: DMuonSpec, *, params: int, gpus: int, shard: int, device_bytes: int,
+           z2_bytes: int, z3_bytes: int, resident_pm: int) -> ModeChoice:
     """The mode to run: the spec's when it names one, else the tree above."""
+    mode = spec.mode
     usable = HEADROOM * device_bytes
     b = params / 1e9
     if mode != "auto":
@@ -73,9 +78,8 @@ def decide(mode: str, fsdp_reshard: bool | None, *, params: int, gpus: int, shar
         free, extra = usable - z3_bytes, z2_bytes - z3_bytes
         dmuon, reason = _by_size(b, gpus, free, extra, resident_pm)
     fits = (z2_bytes if dmuon == "z2" else z3_bytes) <= usable
-    fsdp = dmuon if fsdp_reshard is None else ("z3" if fsdp_reshard else "z2")
-    return ModeChoice(dmuon, fsdp, reason, params, gpus, int(device_bytes), int(z2_bytes),
-                      int(z3_bytes), int(resident_pm), fits)
+    return ModeChoice(dmuon, spec.fsdp_mode(dmuon), reason, params, gpus, int(device_bytes),
+                      int(z2_bytes), int(z3_bytes), int(resident_pm), fits)
 
 
 def _by_size(b: float, gpus: int, free: float, extra: float, resident_pm: int):

@@ -399,10 +399,9 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int) ->
         totals[z3] = worst + peak + gathered_others + act
     per_node = -(-world // max(1, len(nodes)))
     params = sum(p.numel() for p in model.parameters())
-    return decide(spec.dmuon.mode, spec.dmuon.fsdp_reshard_after_forward, params=params,
-                  gpus=world, shard=shard, device_bytes=device_bytes(spec, nodes, per_node),
-                  z2_bytes=totals[False], z3_bytes=totals[True],
-                  resident_pm=plan.total_elements * elt)
+    return decide(spec.dmuon, params=params, gpus=world, shard=shard,
+                  device_bytes=device_bytes(spec, nodes, per_node), z2_bytes=totals[False],
+                  z3_bytes=totals[True], resident_pm=plan.total_elements * elt)
 
 
 def main(argv=None) -> None:

@@ -56,6 +56,11 @@ class HFModelSpec(StrictModel):
             raise ValueError("give hf (a config.json) or hf_arch with config")
         return self
 
+    def architecture(self, fields: dict) -> str | None:
+        """The ``transformers`` class to build: ``hf_arch``, else the config's first
+        ``architectures`` entry (None: let ``AutoModelForCausalLM`` choose)."""
+        return self.hf_arch or (fields.get("architectures") or [None])[0]
+
 
 class FactoryModelSpec(StrictModel):
     """``factory(**kwargs)`` returns an ``nn.Module`` whose forward maps token ids

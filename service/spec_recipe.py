@@ -91,6 +91,12 @@ class DMuonSpec(StrictModel):
     hook_boundaries: Regex | None = Field(None, description="module FQN regex of the hook "
                                                             "boundaries (default: the blocks)")
 
+    def fsdp_mode(self, dmuon_mode: str) -> str:
+        """FSDP2's mode ("z2" or "z3") when DMuon runs in ``dmuon_mode``."""
+        if self.fsdp_reshard_after_forward is None:
+            return dmuon_mode
+        return "z3" if self.fsdp_reshard_after_forward else "z2"
+
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any):

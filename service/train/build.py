@@ -18,7 +18,7 @@ def _hf_class_and_config(spec: JobSpec, model_inputs: dict, dtype: torch.dtype):
     import transformers
 
     fields = dict(model_inputs["config"])
-    arch = spec.model.hf_arch or (fields.get("architectures") or [None])[0]
+    arch = spec.model.architecture(fields)
     cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
     if model_inputs.get("config_dir"):
         config = transformers.AutoConfig.from_pretrained(model_inputs["config_dir"],

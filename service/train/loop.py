@@ -35,9 +35,7 @@ def run_modes(spec: JobSpec, modes: dict | None) -> dict:
     if modes is None:
         if spec.dmuon.mode == "auto":
             raise ValueError("dmuon.mode: auto is decided by the planner; run the plan")
-        fsdp = spec.dmuon.fsdp_reshard_after_forward
-        modes = {"dmuon": spec.dmuon.mode,
-                 "fsdp": spec.dmuon.mode if fsdp is None else ("z3" if fsdp else "z2")}
+        modes = {"dmuon": spec.dmuon.mode, "fsdp": spec.dmuon.fsdp_mode(spec.dmuon.mode)}
     return modes
 
 
