@@ -79,10 +79,11 @@ def submit(body: JobSubmission, request: Request, response: Response,
     """A new job (201), or with a repeated ``Idempotency-Key`` the job that key made
     (200); 409 if that key came with another request."""
     state = request.app.state
-    model_inputs = _model_inputs(request, body.spec)
-    if not body.dry_run:  # every path and size, before anything is stored
+    if body.dry_run:
+        model_inputs = _model_inputs(request, body.spec)
+    else:  # every path and size, before anything is stored
         try:
-            resolve_inputs(body.spec, state.settings.data_dir())
+            model_inputs = resolve_inputs(body.spec, state.settings.data_dir())["model"]
             if body.spec.working_dir is not None:
                 runtime_working_dir(state.settings.storage, body.spec.working_dir)
         except (SpecError, PackageError) as e:
@@ -155,14 +156,15 @@ def export(job_id: JobId, request: Request):
     """Export a job's newest checkpoint to ``<storage>/<job>/export`` (sharded safetensors
     + config.json) by a Ray job of its own; answers its submission id."""
     state = request.app.state
-    job = _job_or_404(state.store, job_id)
+    job = state.store.get_job(job_id)  # with its plan: the export runs on it
+    if job is None:
+        raise HTTPException(404, f"no job {job_id!r}")
     if job["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
         raise HTTPException(409, f"job {job_id} is {job['status']}: export it once it ended")
     if state.runner is None:
         raise HTTPException(503, "no Ray cluster attached")
-    found = state.store.get_job(job_id)
     try:
-        return {"submission_id": state.runner.submit_export(found),
+        return {"submission_id": state.runner.submit_export(job),
                 "path": os.path.join(state.settings.storage, job_id, "export")}
     except PackageError as e:
         raise HTTPException(422, [{"field": "spec.working_dir", "message": str(e)}]) from None
