@@ -173,17 +173,18 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
         if not cluster:
             raise PlacementError("no Ray cluster attached" if cluster is None else
                                  "the Ray cluster lists no alive node")
-        choose_layout(cluster, spec)
+        layout = choose_layout(cluster, spec)
         nodes, inventory = cluster, {"source": "cluster", "nodes": len(cluster)}
     except PlacementError as on_cluster:
         count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
         nodes = synthetic_inventory(count, 0, cpus_per_node=assumed_cpus)
+        layout = choose_layout(nodes, spec)
         inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
                      "reason": str(on_cluster)}
     try:
-        placement = predict(spec, nodes, model_inputs=model_inputs)
+        placement = predict(spec, nodes, model_inputs=model_inputs, layout=layout)
     except ImportError as e:  # a factory importable only from the job's working_dir
-        return deferred_document(spec, nodes, inventory, f"{type(e).__name__}: {e}")
+        return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
     return placement_document(placement, inventory)
 
 
@@ -200,11 +201,12 @@ def placement_document(placement: Placement, inventory: dict) -> dict:
     }
 
 
-def deferred_document(spec: JobSpec, nodes, inventory: dict, reason: str) -> dict:
+def deferred_document(spec: JobSpec, layout: tuple[int, int, int], inventory: dict,
+                      reason: str) -> dict:
     """The layout alone, for a model only the job's own processes can import: the job's
     entrypoint completes the plan (partition, mode) once, before any worker starts, and
     stores it with the job's files."""
-    n_nodes, R, N = choose_layout(nodes, spec)
+    n_nodes, R, N = layout
     placement = Placement(spec, n_nodes, R, N, None, [])
     return {"layout": {"replicate": R, "shard": N, "nodes": n_nodes}, "inventory": inventory,
             "deferred": f"the model cannot be built here ({reason}); the job plans it",
