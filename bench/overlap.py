@@ -62,9 +62,9 @@ class Waits:
             setattr(owner, name, self._timed(kind, getattr(owner, name)))
 
     def _timed(self, kind, method):
-        def timed(boundary, *args):
+        def timed(owner, *args, **kwargs):
             t0 = time.perf_counter()
-            out = method(boundary, *args)
+            out = method(owner, *args, **kwargs)
             self.seconds[kind] += time.perf_counter() - t0
             return out
         return timed
