@@ -30,8 +30,9 @@ class JobSubmission(BaseModel):
     dry_run: bool = False
 
 
-def _job_or_404(store, job_id: str) -> dict:
-    job = store.job_view(job_id)
+def _job_or_404(store, job_id: str, with_plan: bool = False) -> dict:
+    """The job as the API shows it (its history, no plan), or with its stored plan."""
+    job = store.get_job(job_id) if with_plan else store.job_view(job_id)
     if job is None:
         raise HTTPException(404, f"no job {job_id!r}")
     return job
@@ -156,9 +157,7 @@ def export(job_id: JobId, request: Request):
     """Export a job's newest checkpoint to ``<storage>/<job>/export`` (sharded safetensors
     + config.json) by a Ray job of its own; answers its submission id."""
     state = request.app.state
-    job = state.store.get_job(job_id)  # with its plan: the export runs on it
-    if job is None:
-        raise HTTPException(404, f"no job {job_id!r}")
+    job = _job_or_404(state.store, job_id, with_plan=True)  # the export runs on its plan
     if job["status"] not in ("SUCCEEDED", "FAILED", "STOPPED"):
         raise HTTPException(409, f"job {job_id} is {job['status']}: export it once it ended")
     if state.runner is None:
