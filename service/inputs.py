@@ -92,7 +92,7 @@ def resolve_data(spec: JobSpec, root: str) -> dict:
     sizes = [s.tokens for s in train]
     if window_count(sizes, spec.seq_len,
                     (0.0, 1.0) if val else split_part("train", data.val_fraction)) == 0:
-        raise SpecError(f"data.source: {sum(s.tokens for s in train)} tokens in "
+        raise SpecError(f"data.source: {sum(sizes)} tokens in "
                         f"{len(train)} shard(s): no training window of seq_len+1="
                         f"{spec.seq_len + 1} tokens fits in one shard")
     val_sizes, val_part = ([s.tokens for s in val], (0.0, 1.0)) if val else \
