@@ -260,14 +260,27 @@ def report(args, r: dict) -> dict:
     return summary
 
 
+def bits_per_second(rate: str) -> float:
+    """A tc rate in bits (``3gbit``, ``1500mbit``)."""
+    found = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate)
+    if found is None:
+        raise argparse.ArgumentTypeError(f"{rate!r} is not in bits (e.g. 3gbit, 1500mbit)")
+    number, unit = found.groups()
+    return float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
+
+
+def _tc_rate(text: str) -> str:
+    """The rate as tc takes it, once it parses (a bad one fails before the run)."""
+    bits_per_second(text)
+    return text
+
+
 def _link_floor(rate: str, on: dict, off: dict) -> dict:
     """The least step time of DMuon-Z3 on the shared bucket: its bytes (the ledger's,
     summed over ranks: every byte a rank sends passes the one bucket) all move during
     forward and backward (the optimizer step sends none), so the step takes at least
     their time at the rate plus the optimizer step's own."""
-    number, unit = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate).groups()
-    bits_per_s = float(number) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[unit]
-    link_s = on["dmuon_wire_bytes"] * 8 / bits_per_s
+    link_s = on["dmuon_wire_bytes"] * 8 / bits_per_second(rate)
     opt_step_s = on["step_s"] - on["forward_s"] - on["backward_s"]
     floor = link_s + opt_step_s
     print(f"DMuon-Z3 link floor: {on['dmuon_wire_bytes'] / 1e6:.1f} MB per step through "
@@ -280,7 +293,8 @@ def _link_floor(rate: str, on: dict, off: dict) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rate", default="3gbit", help="tbf rate of the namespace's loopback")
+    ap.add_argument("--rate", default="3gbit", type=_tc_rate,
+                    help="tbf rate of the namespace's loopback, in bits")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per turn")
     ap.add_argument("--rounds", type=int, default=3, help="turns per set-up")
     ap.add_argument("--batch", type=int, default=4)
