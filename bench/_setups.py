@@ -42,15 +42,17 @@ SETUPS = {s.name: s for s in (
 
 
 class NSClock:
-    """Seconds spent in Newton-Schulz on this rank (DMuon's and the naive baseline's)."""
+    """Seconds spent in Newton-Schulz on this rank (DMuon's and the naive baseline's):
+    wall time, and CPU time of the calling thread (NS runs there, one intra-op thread)."""
 
     def __init__(self):
-        self.seconds = 0.0
+        self.seconds = self.cpu_seconds = 0.0
 
     def ns(self, G, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = _NS(G, *args, **kwargs)
         self.seconds += time.perf_counter() - t0
+        self.cpu_seconds += time.thread_time() - c0
         return out
 
     @contextlib.contextmanager
@@ -61,9 +63,10 @@ class NSClock:
         finally:
             dmuon.optim.newton_schulz = _NS
 
-    def take(self) -> float:
-        seconds, self.seconds = self.seconds, 0.0
-        return seconds
+    def take(self) -> dict[str, float]:
+        out = {"ns": self.seconds, "ns_cpu": self.cpu_seconds}
+        self.seconds = self.cpu_seconds = 0.0
+        return out
 
 
 _NS = dmuon.optim.newton_schulz

@@ -8,7 +8,7 @@ Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
 ``bench._setups.take_turns``): the step time, the time the ranks sat waiting for
 parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
 replicate all-gather, the time in FSDP2's own collective-issuing hooks, and the CPU time
-of the 4 ranks together. On the shared bucket it also prints DMuon-Z3's link floor:
+of the ranks together. On the shared bucket it also prints DMuon-Z3's link floor:
 its ledger's bytes at the rate plus its optimizer step. Needs root and iproute2;
 everything it makes (its namespaces) it removes. Prints a table and writes
 bench/results/overlap.json.
@@ -16,10 +16,12 @@ bench/results/overlap.json.
 ``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
 own with a full-duplex link (a veth to a private bridge, a bucket of ``--rate`` in each
 direction). On the throttled loopback every byte of all 4 ranks, both directions,
-shares one bucket.
+shares one bucket. ``--world 2`` runs 2 ranks (no HSDP set-ups), one per core of this
+machine, where 4 ranks share 2 cores: it shows what overlap gains when a rank's
+transfers do not take CPU from another rank's compute.
 
     python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3] [--links per-rank]
-                            [--dmuon-fsdp root]
+                            [--dmuon-fsdp root] [--world 2]
 """
 
 from __future__ import annotations
@@ -38,6 +40,11 @@ import time
 RESULTS = pathlib.Path(__file__).parent / "results"
 SETUPS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3", "dmuon_z3_no_prefetch",
           "dmuon_z3_prefetch2", "dmuon_z3_hsdp2x2_async", "dmuon_z3_hsdp2x2_sync")
+
+
+def setups(world: int) -> tuple[str, ...]:
+    """The set-ups a world runs: HSDP 2x2 needs 4 ranks."""
+    return SETUPS if world == 4 else tuple(s for s in SETUPS if "hsdp" not in s)
 
 
 class Waits:
@@ -107,12 +114,12 @@ def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers):
         return {"step_s": elapsed, "forward_s": t1 - t0, "backward_s": t2 - t1,
                 "gather_wait_s": wait["gather"], "replicate_wait_s": wait["replicate"],
                 "reduce_wait_s": wait["reduce"], "fsdp2_s": wait["fsdp2"],
-                "ns_s": clock.take(), "cpu_s": _cpu_seconds() - c0,
+                "ns_s": clock.take()["ns"], "cpu_s": _cpu_seconds() - c0,
                 "dmuon_wire_bytes": float(ledger.last_step()) if ledger else 0.0}
 
     with clock.installed():
         built = {name: build(ALL[name], world, "small", clock, fsdp_layers=fsdp_layers)
-                 for name in SETUPS}
+                 for name in setups(world)}
         records = take_turns(built, rounds, steps, step)
     return {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
             for name, rows in records.items()}
@@ -123,7 +130,7 @@ def inside(args) -> dict:
     from service.local import run
 
     return _slowest(run(_worker, args.rounds, args.steps, args.batch, args.seq,
-                        args.dmuon_fsdp == "layers", world_size=4))
+                        args.dmuon_fsdp == "layers", world_size=args.world))
 
 
 SUMMED = ("cpu_s", "dmuon_wire_bytes")  # figures of the job, not of one rank
@@ -132,13 +139,14 @@ SUMMED = ("cpu_s", "dmuon_wire_bytes")  # figures of the job, not of one rank
 def _slowest(per_rank: list[dict]) -> dict:
     """Per set-up and figure, the slowest rank's median (summed over ranks: ``SUMMED``)."""
     return {name: {k: (sum if k in SUMMED else max)(r[name][k] for r in per_rank)
-                   for k in per_rank[0][name]} for name in SETUPS}
+                   for k in per_rank[0][name]} for name in per_rank[0]}
 
 
 def _measure_args(args) -> list[str]:
     """What a measuring process (``--inside``) is told of the run."""
-    return ["--steps", str(args.steps), "--rounds", str(args.rounds), "--batch",
-            str(args.batch), "--seq", str(args.seq), "--dmuon-fsdp", args.dmuon_fsdp]
+    return ["--world", str(args.world), "--steps", str(args.steps), "--rounds",
+            str(args.rounds), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--dmuon-fsdp", args.dmuon_fsdp]
 
 
 def _sh(*cmd: str) -> None:
@@ -179,8 +187,8 @@ def rank_inside(args) -> None:
     rank = args.rank
     os.environ.update(MASTER_ADDR=f"{SUBNET}.11", MASTER_PORT="29531",
                       GLOO_SOCKET_IFNAME=LINK, OMP_NUM_THREADS="1")
-    dist.init_process_group("gloo", rank=rank, world_size=4, timeout=PG_TIMEOUT)
-    result = _worker(rank, 4, args.rounds, args.steps, args.batch, args.seq,
+    dist.init_process_group("gloo", rank=rank, world_size=args.world, timeout=PG_TIMEOUT)
+    result = _worker(rank, args.world, args.rounds, args.steps, args.batch, args.seq,
                      args.dmuon_fsdp == "layers")
     pathlib.Path(args.inside).write_text(json.dumps(result))
     leave_process_group()
@@ -189,7 +197,7 @@ def rank_inside(args) -> None:
 def per_rank_links(args) -> dict:
     """Four namespaces, each rank's veth throttled both ways, joined by a bridge."""
     tag = os.getpid() % 100000
-    ranks, bridge = [f"dmr{tag}_{r}" for r in range(4)], f"dmrb{tag}"
+    ranks, bridge = [f"dmr{tag}_{r}" for r in range(args.world)], f"dmrb{tag}"
     made = []
     try:
         for ns in (*ranks, bridge):
@@ -216,7 +224,7 @@ def per_rank_links(args) -> dict:
             if any(p.wait(timeout=3600) for p in procs):
                 raise RuntimeError("a rank failed")
             return _slowest([json.loads(pathlib.Path(f"{out}/rank{r}.json").read_text())
-                             for r in range(4)])
+                             for r in range(args.world)])
     finally:
         for ns in made:
             _sh("ip", "netns", "del", ns)
@@ -225,14 +233,14 @@ def per_rank_links(args) -> dict:
 def report(args, r: dict) -> dict:
     base = r["fsdp2_adamw"]["step_s"]
     on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
-    sync, asyn = r["dmuon_z3_hsdp2x2_sync"], r["dmuon_z3_hsdp2x2_async"]
     where = ("a full-duplex link per rank" if args.links == "per-rank"
-             else "loopback shared by the 4 ranks")
+             else f"loopback shared by the {args.world} ranks")
     print(f"\n{where} throttled to {args.rate} (tbf), model 'small', "
           f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
           f"{args.steps} steps; DMuon's layers FSDP2-wrapped: {args.dmuon_fsdp}")
     print("| set-up | step (ms) | / FSDP2+AdamW | exposed gather wait (ms) |"
-          " replicate wait (ms) | NS (ms) | in FSDP2's hooks (ms) | CPU, 4 ranks (ms) |"
+          " replicate wait (ms) | NS (ms) | in FSDP2's hooks (ms) |"
+          f" CPU, {args.world} ranks (ms) |"
           "\n|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, row in r.items():
         print(f"| {name} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / base:.3f} |"
@@ -244,20 +252,25 @@ def report(args, r: dict) -> dict:
         "exposed_gather_removed_s": off["gather_wait_s"] - on["gather_wait_s"],
         "z3_over_fsdp2_adamw": on["step_s"] / base,
         "z2_over_fsdp2_adamw": r["dmuon_z2"]["step_s"] / base,
-        "async_gain_s": sync["step_s"] - asyn["step_s"],
-        "replicate_wait_sync_s": sync["replicate_wait_s"],
     }
     print(f"\nprefetch: {summary['prefetch_saving']:.1%} less time per step (target >= 20%),"
           f" exposed gather wait {off['gather_wait_s'] * 1e3:.0f} -> "
           f"{on['gather_wait_s'] * 1e3:.0f} ms")
     print(f"DMuon-Z3 / FSDP2+AdamW: {summary['z3_over_fsdp2_adamw']:.3f} (target <= 0.95); "
           f"Z2: {summary['z2_over_fsdp2_adamw']:.3f}")
-    print(f"HSDP async gains {summary['async_gain_s'] * 1e3:.0f} ms per step; the sync "
-          f"replicate all-gather waits {summary['replicate_wait_sync_s'] * 1e3:.0f} ms "
-          "(target: gain >= half of it)")
+    if "dmuon_z3_hsdp2x2_sync" in r:
+        summary.update(_replicate_async(r["dmuon_z3_hsdp2x2_sync"],
+                                        r["dmuon_z3_hsdp2x2_async"]))
     if args.links == "shared":
         summary.update(_link_floor(args.rate, on, off))
     return summary
+
+
+def _replicate_async(sync: dict, asyn: dict) -> dict:
+    gain, wait = sync["step_s"] - asyn["step_s"], sync["replicate_wait_s"]
+    print(f"HSDP async gains {gain * 1e3:.0f} ms per step; the sync replicate all-gather "
+          f"waits {wait * 1e3:.0f} ms (target: gain >= half of it)")
+    return {"async_gain_s": gain, "replicate_wait_sync_s": wait}
 
 
 def bits_per_second(rate: str) -> float:
@@ -300,6 +313,8 @@ def main(argv=None) -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--links", choices=("shared", "per-rank"), default="shared")
+    ap.add_argument("--world", type=int, choices=(2, 4), default=4,
+                    help="ranks; at 2 each has a core of its own here (no HSDP set-ups)")
     ap.add_argument("--dmuon-fsdp", choices=("layers", "root"), default="layers",
                     help="DMuon set-ups: FSDP2 per layer and at the root (their layers "
                          "keep only norms for FSDP2), or at the root only")
@@ -315,7 +330,8 @@ def main(argv=None) -> None:
     results = per_rank_links(args) if args.links == "per-rank" else throttled(args)
     summary = report(args, results)
     RESULTS.mkdir(exist_ok=True)
-    name = "overlap.json" if args.links == "shared" else "overlap_per_rank.json"
+    name = "overlap" + ("" if args.links == "shared" else "_per_rank")
+    name += ("" if args.world == 4 else f"_world{args.world}") + ".json"
     (RESULTS / name).write_text(json.dumps(
         {"args": vars(args), "results": results, "summary": summary}, indent=2))
 
