@@ -46,7 +46,7 @@ class BoundaryHooks:
         self._regathered = False
         module._dmuon_boundary = self
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
-        module.register_forward_hook(self._post_forward)
+        self._post_forward_handle = module.register_forward_hook(self._post_forward)
         for p in boundary.params:
             p.register_post_accumulate_grad_hook(self._on_gradient)
 
@@ -63,11 +63,23 @@ class BoundaryHooks:
         b.wait_gather()
         if not self._checked:
             b.check_views()
+            self._follow_fsdp2_post_forward()
             self._checked = True
         state.trace(f"{'recompute' if recompute else 'forward'}:{self.name}")
         if recompute and self._pending_calls:  # non-reentrant: the original graph runs
             return args, kwargs
         return self._mark_inputs(args, kwargs)
+
+    def _follow_fsdp2_post_forward(self) -> None:
+        """Re-register the post-forward hook, now that ``fully_shard`` (applied after
+        ``dedicate_params``) has registered FSDP2's, so that ours runs after it. Each
+        registers a pre-backward hook on the outputs, and these run in registration
+        order: FSDP2's unshard of the boundary's own (small) params then goes out before
+        DMuon's bulk reduce and re-gather of the neighbours. On the CPU FSDP2's
+        collectives block, and behind that bulk they held up a backward whose own
+        parameters had already arrived."""
+        self._post_forward_handle.remove()
+        self._post_forward_handle = self.module.register_forward_hook(self._post_forward)
 
     def _mark_inputs(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))

@@ -5,11 +5,13 @@ marked by hooks the test adds after DMuon's.
 - forward: boundary k+1's all-gather is issued before boundary k's compute ends;
 - Z3 backward: the last boundary's re-gather is issued before the backward begins, and
   boundary k-1's before boundary k's backward ends;
-- HSDP: replicate-stage reduce-scatters are issued during the backward.
+- HSDP: replicate-stage reduce-scatters are issued during the backward;
+- FSDP2's unshard of a block in its pre-backward goes before DMuon's traffic issued there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -36,6 +38,24 @@ def _mark(events, model):
         layer.register_forward_pre_hook(on_input)
 
 
+@contextlib.contextmanager
+def _fsdp2_pre_backwards(events):
+    """Marks each FSDP2 group's pre-backward (its unshard for the backward) as it begins."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    original = FSDPParamGroup.pre_backward
+
+    def pre_backward(group, *args):
+        events.append(("fsdp2_pre_backward", group._module_fqn))
+        return original(group, *args)
+
+    FSDPParamGroup.pre_backward = pre_backward
+    try:
+        yield
+    finally:
+        FSDPParamGroup.pre_backward = original
+
+
 def _train(rank, world, layout):
     R, N = layout
     mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
@@ -49,7 +69,7 @@ def _train(rank, world, layout):
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
     events = []
     _mark(events, model)
-    with DMuonCollectives(events):
+    with DMuonCollectives(events), _fsdp2_pre_backwards(events):
         for step, batch in enumerate(global_batches(2)):
             events.append(("step_begins", step))
             loss = loss_of(model, local_rows(batch, rank, world))
@@ -106,3 +126,21 @@ def test_hsdp_replicate_reduce_is_issued_during_backward():
         lo, hi = trace.index(("backward_begins", 1)), trace.index(("backward_returned", 1))
         during = [e for e in trace[lo:hi] if e == ("reduce_scatter_v", "replicate", "reduce")]
         assert len(during) >= LAYERS - 1, (rank, len(during))
+
+
+def test_fsdp2_unshards_a_block_before_dmuon_sends_around_it():
+    """In block k's pre-backward, FSDP2's unshard of k's own params (here the norms) goes
+    out before DMuon's re-gather of block k-1 and reduce of block k+1: on the CPU FSDP2's
+    collectives block, and queued behind that bulk they would hold up a backward whose
+    parameters have already arrived."""
+    for rank, full in enumerate(events((1, 4))):
+        trace = _last_step(full)
+        lo, hi = trace.index(("backward_begins", 1)), trace.index(("backward_returned", 1))
+        regathers = _gathers(trace, "backward", ("step_begins", 1), ("backward_returned", 1))
+        reduces = [i for i in range(lo, hi) if trace[i] == ("reduce_scatter_v", "shard", "reduce")]
+        for j, k in enumerate(range(LAYERS - 1, 0, -1)):  # k-1's re-gather, issued in k's
+            unshard = trace.index(("fsdp2_pre_backward", f"model.layers.{k}"))
+            assert unshard < regathers[j + 1], (rank, k)
+        for j, k in enumerate(range(LAYERS - 2, -1, -1)):  # k+1's reduce, issued in k's
+            unshard = trace.index(("fsdp2_pre_backward", f"model.layers.{k}"))
+            assert unshard < reduces[j], (rank, k)
