@@ -267,11 +267,14 @@ def report(args, r: dict) -> dict:
           " replicate wait (ms) | NS (ms) | in FSDP2's hooks (ms) |"
           f" CPU, {args.world} ranks (ms) | through the bucket (MB) |"
           "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    def bucket(row):  # per-rank links: no one bucket to count
+        return f"{row['bucket_bytes'] / 1e6:.1f}" if args.links == "shared" else "-"
+
     for name, row in r.items():
         print(f"| {name} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / base:.3f} |"
               f" {row['gather_wait_s'] * 1e3:.0f} | {row['replicate_wait_s'] * 1e3:.0f} |"
               f" {row['ns_s'] * 1e3:.0f} | {row['fsdp2_s'] * 1e3:.0f} |"
-              f" {row['cpu_s'] * 1e3:.0f} | {row['bucket_bytes'] / 1e6:.1f} |")
+              f" {row['cpu_s'] * 1e3:.0f} | {bucket(row)} |")
     summary = {
         "prefetch_saving": 1 - on["step_s"] / off["step_s"],
         "exposed_gather_removed_s": off["gather_wait_s"] - on["gather_wait_s"],
