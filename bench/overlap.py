@@ -372,8 +372,10 @@ def main(argv=None) -> None:
     summary = report(args, results)
     RESULTS.mkdir(exist_ok=True)
     name = "overlap" + ("" if args.links == "shared" else "_per_rank")
-    name += ("" if args.world == 4 else f"_world{args.world}") + ".json"
-    (RESULTS / name).write_text(json.dumps(
+    name += "" if args.world == 4 else f"_world{args.world}"
+    name += "" if (args.batch, args.seq) == (4, 64) else f"_{args.batch}x{args.seq}"
+    name += "" if args.dmuon_fsdp == "layers" else f"_fsdp_{args.dmuon_fsdp}"
+    (RESULTS / f"{name}.json").write_text(json.dumps(
         {"args": vars(args), "results": results, "summary": summary}, indent=2))
 
 
