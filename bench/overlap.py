@@ -8,10 +8,12 @@ Per set-up (medians over steps, slowest rank; the set-ups take turns, as in
 ``bench._setups.take_turns``): the step time, the time the ranks sat waiting for
 parameter all-gathers ("exposed gather": what prefetch exists to hide) and for the
 replicate all-gather, the time in FSDP2's own collective-issuing hooks, and the CPU time
-of the ranks together. On the shared bucket it also prints DMuon-Z3's link floor:
-its ledger's bytes at the rate plus its optimizer step. Needs root and iproute2;
-everything it makes (its namespaces) it removes. Prints a table and writes
-bench/results/overlap.json.
+of the ranks together. On the shared bucket it also counts the bytes through the bucket
+per step (the qdisc's own counter) and prints DMuon-Z3's link floor: those bytes at the
+rate plus its optimizer step; and the CPU floor: the ranks' CPU time over the cores.
+Needs root and iproute2; everything it makes (its namespaces) it removes. Prints a table
+and writes bench/results/overlap*.json (named by the arguments that differ from the
+defaults).
 
 ``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
 own with a full-duplex link (a veth to a private bridge, a bucket of ``--rate`` in each
@@ -220,7 +222,7 @@ def rank_inside(args) -> None:
 
 
 def per_rank_links(args) -> dict:
-    """Four namespaces, each rank's veth throttled both ways, joined by a bridge."""
+    """A namespace per rank, each rank's veth throttled both ways, joined by a bridge."""
     tag = os.getpid() % 100000
     ranks, bridge = [f"dmr{tag}_{r}" for r in range(args.world)], f"dmrb{tag}"
     made = []
@@ -267,14 +269,12 @@ def report(args, r: dict) -> dict:
           " replicate wait (ms) | NS (ms) | in FSDP2's hooks (ms) |"
           f" CPU, {args.world} ranks (ms) | through the bucket (MB) |"
           "\n|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    def bucket(row):  # per-rank links: no one bucket to count
-        return f"{row['bucket_bytes'] / 1e6:.1f}" if args.links == "shared" else "-"
-
     for name, row in r.items():
+        bucket = f"{row['bucket_bytes'] / 1e6:.1f}" if args.links == "shared" else "-"
         print(f"| {name} | {row['step_s'] * 1e3:.0f} | {row['step_s'] / base:.3f} |"
               f" {row['gather_wait_s'] * 1e3:.0f} | {row['replicate_wait_s'] * 1e3:.0f} |"
               f" {row['ns_s'] * 1e3:.0f} | {row['fsdp2_s'] * 1e3:.0f} |"
-              f" {row['cpu_s'] * 1e3:.0f} | {bucket(row)} |")
+              f" {row['cpu_s'] * 1e3:.0f} | {bucket} |")
     summary = {
         "prefetch_saving": 1 - on["step_s"] / off["step_s"],
         "exposed_gather_removed_s": off["gather_wait_s"] - on["gather_wait_s"],
