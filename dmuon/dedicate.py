@@ -127,7 +127,12 @@ class DMuonState:
         Z3 only), so they overlap this boundary's compute. Every rank issues the same."""
         if forward == self.in_backward or not (forward or self.reshard_after_forward):
             return
-        i, step = self.hooks.index(hooks), 1 if forward else -1
+        self._gather_ahead(self.hooks.index(hooks), forward)
+
+    def _gather_ahead(self, i: int, forward: bool) -> None:
+        """The all-gathers of the ``prefetch_depth`` boundaries after position ``i`` in
+        forward order (before it, in the backward)."""
+        step = 1 if forward else -1
         for k in range(1, self.prefetch_depth + 1):
             j = i + step * k
             if 0 <= j < len(self.boundaries):
@@ -140,8 +145,7 @@ class DMuonState:
                 self.end_backward()
             # the first boundaries' all-gathers overlap what runs before them (the
             # embedding, FSDP2's own gathers); every rank issues them here, in order
-            for b in self.boundaries[:self.prefetch_depth]:
-                b.start_gather("forward")
+            self._gather_ahead(-1, forward=True)
 
         def post_forward(module, args, output):
             if torch.is_grad_enabled() and not self.in_backward:
@@ -155,8 +159,7 @@ class DMuonState:
                 if hooked and self.reshard_after_forward:
                     # Z3: the backward needs the last boundaries first; their re-gathers
                     # overlap the loss and the head's backward
-                    for b in self.boundaries[::-1][:self.prefetch_depth]:
-                        b.start_gather("backward")
+                    self._gather_ahead(len(self.boundaries), forward=False)
             return output
 
         model.register_forward_pre_hook(pre_forward)
