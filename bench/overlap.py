@@ -92,9 +92,10 @@ def _cpu_seconds() -> float:
 class BucketBytes:
     """Bytes through the shared bucket per step, from the qdisc's own counter (``tc -s``):
     everything on the link, FSDP2's collectives and the headers included, which DMuon's
-    ledger does not count. Read on one rank as each step begins, after the barrier, so a
-    step's figure is what passed since the previous step of the same set-up began (the
-    first step of a turn is untimed and its figure dropped)."""
+    ledger does not count. Read on one rank as each step begins, before the barrier (the
+    read takes milliseconds; the barrier, not the other ranks' timed step, absorbs
+    them), so a step's figure is what passed since the previous step of the same set-up
+    began (the first step of a turn is untimed and its figure dropped)."""
 
     def __init__(self, active: bool):
         self.active, self.last = active, None
@@ -125,9 +126,9 @@ def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers, shared_bucket):
 
     def step(name, model, opt, index) -> dict:
         tokens = batch_at(corpus, index, batch * world, seq)[rank * batch:(rank + 1) * batch]
+        bucket_bytes = bucket.since_last()
         dist.barrier()
         waits.take()
-        bucket_bytes = bucket.since_last()
         c0, t0 = _cpu_seconds(), time.perf_counter()
         loss = causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:])
         t1 = time.perf_counter()
