@@ -5,6 +5,7 @@ it), and DMuon in Z2, Z3 (with and without prefetch) and HSDP 2x2."""
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 
@@ -70,6 +71,12 @@ class NSClock:
 
 
 _NS = dmuon.optim.newton_schulz
+
+
+def shared_cores(world: int) -> int:
+    """The cores ``world`` ranks share on this machine (here 2 for 4 ranks): CPU work
+    summed over the ranks takes at least its total over this many to run."""
+    return min(world, len(os.sched_getaffinity(0)))
 
 
 class NaiveFSDPMuon(torch.optim.Optimizer):

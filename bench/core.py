@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import tempfile
@@ -25,7 +24,7 @@ import time
 import torch.distributed as dist
 
 import dmuon
-from bench._setups import NS_DTYPE, SETUPS, NSClock, build, take_turns
+from bench._setups import NS_DTYPE, SETUPS, NSClock, build, shared_cores, take_turns
 from service.local import run
 from service.train.corpus import batch_at, load_corpus
 from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
@@ -128,7 +127,7 @@ def measure(args, tokens: int, ckpt_dir) -> dict:
 def _step_cpu_bound(config: str, per_rank: list, naive_step_s: float, world: int) -> dict:
     """Every owner's NS runs inside the step, all ranks at once, so the step takes at
     least the NS CPU time summed over ranks, spread over the cores the ranks share."""
-    cores = min(world, len(os.sched_getaffinity(0)))
+    cores = shared_cores(world)
     summed = sum(r[config]["ns_cpu_s"] for r in per_rank)
     return {"ns_cpu_summed_s": summed, "cores": cores, "step_cpu_bound_s": summed / cores,
             "step_cpu_bound_vs_naive": summed / cores / naive_step_s}

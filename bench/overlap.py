@@ -339,7 +339,9 @@ def _cpu_floor(world: int, on: dict, off: dict) -> dict:
     """The ranks' CPU time per step, spread over the cores they share, bounds the step
     from below too: overlap moves the transfers' CPU work (gloo's threads, the kernel's
     TCP and qdisc) under the compute, it does not remove it."""
-    cores = min(world, len(os.sched_getaffinity(0)))
+    from bench._setups import shared_cores
+
+    cores = shared_cores(world)
     floor = on["cpu_s"] / cores
     print(f"DMuon-Z3 CPU floor: {on['cpu_s'] * 1e3:.0f} ms of CPU per step on {cores} cores"
           f" = {floor * 1e3:.0f} ms: prefetch can save at most {1 - floor / off['step_s']:.1%}")
