@@ -17,12 +17,14 @@ defaults).
 
 ``--links per-rank`` is the closer model of a cluster: each rank in a namespace of its
 own with a full-duplex link (a veth to a private bridge, a bucket of ``--rate`` in each
-direction). On the throttled loopback every byte of all 4 ranks, both directions,
-shares one bucket. ``--world 2`` runs 2 ranks (no HSDP set-ups), one per core of this
-machine, where 4 ranks share 2 cores: it shows what overlap gains when a rank's
-transfers do not take CPU from another rank's compute.
+direction). ``--links nodes``: two hosts of half the ranks each, whose ranks talk over
+the host's loopback, unthrottled, while the host's link is throttled; HSDP's shard
+groups stay within a host. On the throttled loopback every byte of all 4 ranks, both
+directions, shares one bucket. ``--world 2`` runs 2 ranks (no HSDP set-ups), one per
+core of this machine, where 4 ranks share 2 cores: it shows what overlap gains when a
+rank's transfers do not take CPU from another rank's compute.
 
-    python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3] [--links per-rank]
+    python -m bench.overlap [--rate 3gbit] [--steps 4] [--rounds 3] [--links per-rank|nodes]
                             [--dmuon-fsdp root] [--world 2]
 """
 
@@ -204,8 +206,8 @@ SUBNET = "10.201.0"
 
 
 def rank_inside(args) -> None:
-    """One rank in its own namespace (``--links per-rank``): joins the others over the
-    bridge, measures, writes its figures to ``args.inside``."""
+    """One rank in its host's namespace (``--links per-rank``, ``nodes``): joins the
+    others over the bridge, measures, writes its figures to ``args.inside``."""
     import torch
     import torch.distributed as dist
 
@@ -222,33 +224,39 @@ def rank_inside(args) -> None:
     leave_process_group()
 
 
-def per_rank_links(args) -> dict:
-    """A namespace per rank, each rank's veth throttled both ways, joined by a bridge."""
+def linked_hosts(args) -> dict:
+    """Hosts as namespaces joined by a bridge, each host's veth throttled both ways: a
+    host per rank (``--links per-rank``), or two hosts of half the ranks each
+    (``--links nodes``), whose ranks talk to each other over the host's own loopback,
+    unthrottled, as over NVLink. On two nodes HSDP 2x2 keeps its shard groups within a
+    node and sends only the replicate stage across, as a planner would lay it out."""
     tag = os.getpid() % 100000
-    ranks, bridge = [f"dmr{tag}_{r}" for r in range(args.world)], f"dmrb{tag}"
+    count = args.world if args.links == "per-rank" else 2
+    hosts, bridge = [f"dmr{tag}_{h}" for h in range(count)], f"dmrb{tag}"
     made = []
     try:
-        for ns in (*ranks, bridge):
+        for ns in (*hosts, bridge):
             _sh("ip", "netns", "add", ns)
             made.append(ns)
         _sh("ip", "-n", bridge, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", bridge, "link", "set", "br0", "up")
         bucket = ["tbf", "rate", args.rate, "burst", "256kb", "latency", "200ms"]
-        for r, ns in enumerate(ranks):
+        for h, ns in enumerate(hosts):
             _sh("ip", "link", "add", LINK, "netns", ns, "type", "veth", "peer", "name",
-                f"p{r}", "netns", bridge)
-            _sh("ip", "-n", bridge, "link", "set", f"p{r}", "master", "br0", "up")
-            _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{11 + r}/24", "dev", LINK)
+                f"p{h}", "netns", bridge)
+            _sh("ip", "-n", bridge, "link", "set", f"p{h}", "master", "br0", "up")
+            _sh("ip", "-n", ns, "addr", "add", f"{SUBNET}.{11 + h}/24", "dev", LINK)
             _sh("ip", "-n", ns, "link", "set", LINK, "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", LINK, "root", *bucket)
-            _sh("ip", "netns", "exec", bridge, "tc", "qdisc", "replace", "dev", f"p{r}",
+            _sh("ip", "netns", "exec", bridge, "tc", "qdisc", "replace", "dev", f"p{h}",
                 "root", *bucket)
         with tempfile.TemporaryDirectory() as out:
             procs = [subprocess.Popen(
-                ["ip", "netns", "exec", ns, sys.executable, "-m", "bench.overlap", "--rank",
-                 str(r), "--inside", f"{out}/rank{r}.json", *_measure_args(args)])
-                for r, ns in enumerate(ranks)]
+                ["ip", "netns", "exec", hosts[r * count // args.world], sys.executable, "-m",
+                 "bench.overlap", "--rank", str(r), "--inside", f"{out}/rank{r}.json",
+                 *_measure_args(args)])
+                for r in range(args.world)]
             if any(p.wait(timeout=3600) for p in procs):
                 raise RuntimeError("a rank failed")
             return _slowest([json.loads(pathlib.Path(f"{out}/rank{r}.json").read_text())
@@ -261,8 +269,9 @@ def per_rank_links(args) -> dict:
 def report(args, r: dict) -> dict:
     base = r["fsdp2_adamw"]["step_s"]
     on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
-    where = ("a full-duplex link per rank" if args.links == "per-rank"
-             else f"loopback shared by the {args.world} ranks")
+    where = {"per-rank": "a full-duplex link per rank",
+             "nodes": f"2 nodes of {args.world // 2} ranks, a full-duplex link per node",
+             "shared": f"loopback shared by the {args.world} ranks"}[args.links]
     print(f"\n{where} throttled to {args.rate} (tbf), model 'small', "
           f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
           f"{args.steps} steps; DMuon's layers FSDP2-wrapped: {args.dmuon_fsdp}")
@@ -356,7 +365,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="turns per set-up")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=64)
-    ap.add_argument("--links", choices=("shared", "per-rank"), default="shared")
+    ap.add_argument("--links", choices=("shared", "per-rank", "nodes"), default="shared")
     ap.add_argument("--world", type=int, choices=(2, 4), default=4,
                     help="ranks; at 2 each has a core of its own here (no HSDP set-ups)")
     ap.add_argument("--dmuon-fsdp", choices=("layers", "root"), default="layers",
@@ -371,10 +380,10 @@ def main(argv=None) -> None:
     if args.inside:
         pathlib.Path(args.inside).write_text(json.dumps(inside(args)))
         return
-    results = per_rank_links(args) if args.links == "per-rank" else throttled(args)
+    results = throttled(args) if args.links == "shared" else linked_hosts(args)
     summary = report(args, results)
     RESULTS.mkdir(exist_ok=True)
-    name = "overlap" + ("" if args.links == "shared" else "_per_rank")
+    name = "overlap" + ("" if args.links == "shared" else "_" + args.links.replace("-", "_"))
     name += "" if args.world == 4 else f"_world{args.world}"
     name += "" if (args.batch, args.seq) == (4, 64) else f"_{args.batch}x{args.seq}"
     name += "" if args.dmuon_fsdp == "layers" else f"_fsdp_{args.dmuon_fsdp}"
