@@ -228,8 +228,8 @@ def linked_hosts(args) -> dict:
     """Hosts as namespaces joined by a bridge, each host's veth throttled both ways: a
     host per rank (``--links per-rank``), or two hosts of half the ranks each
     (``--links nodes``), whose ranks talk to each other over the host's own loopback,
-    unthrottled, as over NVLink. On two nodes HSDP 2x2 keeps its shard groups within a
-    node and sends only the replicate stage across, as a planner would lay it out."""
+    unthrottled, as over NVLink. On two hosts HSDP 2x2 keeps its shard groups within a
+    host and sends only the replicate stage across, as a planner would lay it out."""
     tag = os.getpid() % 100000
     count = args.world if args.links == "per-rank" else 2
     hosts, bridge = [f"dmr{tag}_{h}" for h in range(count)], f"dmrb{tag}"
@@ -270,7 +270,7 @@ def report(args, r: dict) -> dict:
     base = r["fsdp2_adamw"]["step_s"]
     on, off = r["dmuon_z3"], r["dmuon_z3_no_prefetch"]
     where = {"per-rank": "a full-duplex link per rank",
-             "nodes": f"2 nodes of {args.world // 2} ranks, a full-duplex link per node",
+             "nodes": f"2 hosts of {args.world // 2} ranks, a full-duplex link per host",
              "shared": f"loopback shared by the {args.world} ranks"}[args.links]
     print(f"\n{where} throttled to {args.rate} (tbf), model 'small', "
           f"{args.batch} x {args.seq} tokens per rank, medians of {args.rounds} turns of "
