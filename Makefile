@@ -49,11 +49,14 @@ bench: $(STAMP) $(WRK)
 	$(PY) -m bench.api
 
 # 4 ranks in a network namespace whose loopback a tbf qdisc throttles (root; RATE=3gbit):
-# 256 tokens per rank, then 4,096 with DMuon's FSDP2 at the root (about 12 minutes)
+# 256 tokens per rank, then 4,096 with DMuon's FSDP2 at the root; then the same 4,096 on
+# two hosts of two ranks, 200 Mbit/s per host link (about 30 minutes in all)
 bench-overlap: $(STAMP)
 	$(PY) -m bench.overlap --rate $(or $(RATE),3gbit) --rounds 6
 	$(PY) -m bench.overlap --rate 370mbit --batch 16 --seq 256 --rounds 4 --steps 3 \
 		--dmuon-fsdp root
+	$(PY) -m bench.overlap --links nodes --rate 200mbit --batch 16 --seq 256 --rounds 4 \
+		--steps 3 --dmuon-fsdp root
 
 # Gram vs standard NS judged by training: 12 trainings of 300 steps (about 10 minutes here)
 bench-ns-quality: $(STAMP)
