@@ -204,10 +204,13 @@ class Boundary:
         """Issue the all-gather that fills the packed buffer from the shard columns."""
         if self.gather is not None or self.fresh:
             return
-        self.wait_replicate()
         self._alloc()
         ctx = self.ctx
         with ctx.streams.issuing("gather"):
+            # HSDP: this reads the column values the async replicate all-gather writes.
+            # Waited for here, on CUDA only the gather stream waits: a prefetch issued in
+            # boundary k's pre-forward must not hold k's compute until k+1's replicate lands
+            self.wait_replicate()
             work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
                                      ctx.shard_group, ctx.ledger, "shard", phase)
         self.gather = comm.Pending(work, self.packed, self.column_values,

@@ -5,7 +5,9 @@ marked by hooks the test adds after DMuon's.
 - forward: boundary k+1's all-gather is issued before boundary k's compute ends;
 - Z3 backward: the last boundary's re-gather is issued before the backward begins, and
   boundary k-1's before boundary k's backward ends;
-- HSDP: replicate-stage reduce-scatters are issued during the backward;
+- HSDP: replicate-stage reduce-scatters are issued during the backward, and the next
+  forward waits for each async replicate all-gather where it issues that boundary's
+  gather (on CUDA: on the gather stream, not the compute stream);
 - FSDP2's unshard of a block in its pre-backward goes before DMuon's traffic issued there.
 """
 
@@ -56,6 +58,38 @@ def _fsdp2_pre_backwards(events):
         FSDPParamGroup.pre_backward = original
 
 
+@contextlib.contextmanager
+def _replicate_waits(events):
+    """Marks each wait for a pending replicate all-gather with the issuing context it is
+    made in: ``"gather"`` inside ``Streams.issuing("gather")`` (on CUDA the gather stream
+    waits), None outside it (on CUDA the compute stream would wait)."""
+    from dmuon import comm
+    from dmuon.buffers import Boundary
+
+    issuing, wait = comm.Streams.issuing, Boundary.wait_replicate
+    where = [None]
+
+    @contextlib.contextmanager
+    def tracked_issuing(streams, kind):
+        outer, where[0] = where[0], kind
+        try:
+            with issuing(streams, kind):
+                yield
+        finally:
+            where[0] = outer
+
+    def tracked_wait(boundary):
+        if boundary.replicate is not None:
+            events.append(("wait_replicate", boundary.name, where[0]))
+        return wait(boundary)
+
+    comm.Streams.issuing, Boundary.wait_replicate = tracked_issuing, tracked_wait
+    try:
+        yield
+    finally:
+        comm.Streams.issuing, Boundary.wait_replicate = issuing, wait
+
+
 def _train(rank, world, layout):
     R, N = layout
     mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
@@ -69,7 +103,7 @@ def _train(rank, world, layout):
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
     events = []
     _mark(events, model)
-    with DMuonCollectives(events), _fsdp2_pre_backwards(events):
+    with DMuonCollectives(events), _fsdp2_pre_backwards(events), _replicate_waits(events):
         for step, batch in enumerate(global_batches(2)):
             events.append(("step_begins", step))
             loss = loss_of(model, local_rows(batch, rank, world))
@@ -126,6 +160,23 @@ def test_hsdp_replicate_reduce_is_issued_during_backward():
         lo, hi = trace.index(("backward_begins", 1)), trace.index(("backward_returned", 1))
         during = [e for e in trace[lo:hi] if e == ("reduce_scatter_v", "replicate", "reduce")]
         assert len(during) >= LAYERS - 1, (rank, len(during))
+
+
+def test_hsdp_forward_waits_for_replicates_where_gathers_are_issued():
+    """The async replicate all-gathers of step 0 write the column values that step 1's
+    forward gathers read. Each is waited for inside the gather's issuing context, just
+    before that gather: on CUDA the gather stream waits and the compute stream runs
+    boundary k while k+1's replicate is still on the wire. Waited for on the compute
+    stream, the prefetch issued in k's pre-forward would hold k's compute until then."""
+    for rank, full in enumerate(events((2, 2))):
+        trace = _last_step(full)
+        end = trace.index(("backward_begins", 1))
+        waits = [i for i in range(end) if trace[i][0] == "wait_replicate"]
+        assert len(waits) == LAYERS, (rank, [trace[i] for i in waits])
+        for i in waits:
+            assert trace[i][2] == "gather", (rank, trace[i])
+            issued = next(e for e in trace[i + 1:] if e[0] in DMuonCollectives.NAMES)
+            assert issued == ("all_gather_v", "shard", "forward"), (rank, trace[i], issued)
 
 
 def test_fsdp2_unshards_a_block_before_dmuon_sends_around_it():
