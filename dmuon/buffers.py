@@ -284,6 +284,16 @@ class Boundary:
         return flat
 
     @torch.no_grad()
+    def discard_gradients(self, set_to_none: bool) -> None:
+        """Forget the gradients accumulated here and on the masters (``zero_grad``)."""
+        self.grad_flat = None
+        for master in self.masters.values():
+            if set_to_none:
+                master.grad = None
+            elif master.grad is not None:
+                master.grad.zero_()
+
+    @torch.no_grad()
     def land(self, owned_flat: torch.Tensor, divisor: int) -> None:
         """Add the averaged gradient of the owned units into the masters' ``.grad``."""
         owned_flat.div_(divisor)

@@ -10,6 +10,7 @@ communicators let DMuon's traffic overlap FSDP2's.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -100,6 +101,7 @@ class DMuonState:
         self.mp_policy = None
         self.optimizer_attached = False
         self.memory_trace: list[tuple[str, int]] | None = None
+        self.model = lambda: None  # a weak reference to the dedicated model, once attached
 
     @property
     def ledger(self) -> comm.Ledger:
@@ -209,6 +211,18 @@ class DMuonState:
             yield b
         self.reduce.close_step()
 
+    def discard_gradients(self, set_to_none: bool = True) -> None:
+        """``zero_grad``: the gradients of every backward since the last step are gone,
+        whether still local (``no_sync``), on the wire, or landed on an owner."""
+        if self.in_backward:
+            self.end_backward()
+        self.reduce.discard()
+        for b in self.boundaries:
+            b.discard_gradients(set_to_none)
+        model = self.model()
+        if model is not None:
+            _drop_fsdp2_unreduced_gradients(model)
+
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:
             b.wait_gather()
@@ -223,6 +237,24 @@ class DMuonState:
         """Wait for pending replicate all-gathers (before anything reads column values)."""
         for b in self.boundaries:
             b.wait_replicate()
+
+
+def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:
+    """FSDP2 keeps a ``no_sync`` backward's gradients on its unsharded params, which
+    ``zero_grad`` never reaches (it sees the sharded ones), so the next synced backward
+    would reduce them with its own; FSDP2 has no public call that drops them. Read-only
+    use of its param-group state; nothing of FSDP2 is replaced."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(fully_shard.state(module), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 def get_state(model: nn.Module) -> DMuonState:
@@ -378,4 +410,18 @@ def _attach(model: nn.Module, state: DMuonState) -> None:
         setattr(params[fqn], _DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         params[fqn]._dmuon_owner_state = state  # param groups find the state
     install_state_dict_guard(model, plan)
+    state.model = weakref.ref(model)
+    _discarding_zero_grad(model, state)
     setattr(model, _STATE_ATTR, state)
+
+
+def _discarding_zero_grad(model: nn.Module, state: DMuonState) -> None:
+    """``model.zero_grad()`` drops DMuon's gradients too: a dedicated param's gradient
+    has left its ``.grad`` for DMuon's buffers by then, where ``nn.Module.zero_grad``
+    cannot see it. Set on the instance, so FSDP2's class swap keeps it."""
+
+    def zero_grad(set_to_none: bool = True) -> None:
+        state.discard_gradients(set_to_none)
+        type(model).zero_grad(model, set_to_none)
+
+    model.zero_grad = zero_grad

@@ -137,6 +137,12 @@ class Muon(torch.optim.Optimizer):
                    if self._state.plan.params[fqn].param in wanted]
         return {**options, "params": masters, "kind": "muon"}
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, and every gradient DMuon holds for the
+        step (local, on the wire or landed) dropped with it."""
+        self._state.discard_gradients(set_to_none)
+        super().zero_grad(set_to_none)
+
     @property
     def ledger(self):
         return self._state.ledger

@@ -158,6 +158,8 @@ class GradientReduce:
         if any(i.owned is None and b.column for i in items):
             self._advance(block=True)
         world = self.ctx.shard_size * self.ctx.replicate_size
+        # gradients kept by zero_grad(set_to_none=False): like torch.optim's, they stay
+        retained = {m.fqn for m in b.owned if b.masters[m.fqn].grad is not None}
         for item in items:
             item.column.wait()
             if self.ctx.replicate_size == 1:
@@ -168,8 +170,24 @@ class GradientReduce:
             self._in_flight.remove(item)
         present = self._present()
         for m in b.owned:
-            if not present[m.index]:
+            if not present[m.index] and m.fqn not in retained:
                 b.masters[m.fqn].grad = None
+
+    def discard(self) -> None:
+        """Drop every gradient reduced since the last step (``zero_grad``). Reduces already
+        issued are completed, as every rank issued them, and their results thrown away;
+        the rest of the backward's reduces go out first, so that every rank issues the
+        same collectives whatever it had sent when ``zero_grad`` came."""
+        self.end_backward()
+        self._advance(block=True)
+        for item in self._in_flight:
+            item.column.wait()
+            if item.owned is not None:
+                item.owned.wait()
+        self._in_flight.clear()
+        if self._presence is not None:
+            self._present()
+        self.close_step()
 
     def close_step(self) -> None:
         if not self._finished:
