@@ -8,8 +8,10 @@
     dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
     dmuon-svc prepare --tokenizer tokenizer.json --out DIR FILES...   (local, no service)
 
-The service is at ``DMUON_URL`` (default http://127.0.0.1:8000); ``DMUON_API_TOKEN`` is
-sent as the bearer token.
+A spec file is YAML (``.yaml``, ``.yml``), JSON (``.json``) or TOML (``.toml``), by its
+extension; one that does not parse is refused with its line and column, exit code 2. The
+service is at ``DMUON_URL`` (default http://127.0.0.1:8000); ``DMUON_API_TOKEN`` is sent
+as the bearer token.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import requests
 
 from .packages import RAY_URI, PackageError, zip_directory
 from .spec import SpecError, load_spec
+from .spec_files import SpecFileError
 from .train.prepare import add_arguments as prepare_args
 from .train.prepare import run as run_prepare
 
@@ -103,6 +106,9 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         return _run(args)
+    except SpecFileError as e:  # a spec file that does not parse: a usage error
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (ServiceError, SpecError, PackageError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -1,4 +1,4 @@
-"""The job spec: one pydantic schema shared by REST, the CLI and YAML/JSON files.
+"""The job spec: one pydantic schema shared by REST, the CLI and YAML/JSON/TOML files.
 
 Torch-free, so the CLI and the API parse a spec without loading torch. Unknown fields are
 rejected everywhere, types are strict (``steps: "5"`` is refused, not coerced), floats
@@ -9,7 +9,6 @@ before any worker starts.
 
 from __future__ import annotations
 
-import json
 import pathlib
 from typing import Annotated, Any, Literal
 
@@ -177,14 +176,8 @@ def parse_spec(data: Any) -> JobSpec:
 
 
 def load_spec(path: str | pathlib.Path) -> JobSpec:
-    """A spec from a YAML or JSON file."""
-    text_ = pathlib.Path(path).read_text()
-    if str(path).endswith((".yaml", ".yml")):
-        import yaml
+    """A spec from a YAML, JSON or TOML file, by its extension (``service.spec_files``:
+    a file that does not parse is a ``SpecFileError`` naming its line and column)."""
+    from .spec_files import read_spec_file
 
-        data = yaml.safe_load(text_) or {}
-    else:
-        data = json.loads(text_)
-    if not isinstance(data, dict):
-        raise SpecError(f"{path}: a job spec is a mapping, got {type(data).__name__}")
-    return parse_spec(data)
+    return parse_spec(read_spec_file(path))

@@ -80,8 +80,13 @@ class FactoryModelSpec(StrictModel):
 
 
 def _model_kind(value) -> str:
+    """The member of ``ModelRef`` a value is. Pydantic asks with the input (a string or
+    a mapping) when validating and with the model instance when serializing."""
     if isinstance(value, str):
         return "preset"
+    for kind, cls in (("factory", FactoryModelSpec), ("hf", HFModelSpec), ("dims", ModelDims)):
+        if isinstance(value, cls):
+            return kind
     if isinstance(value, dict) and "factory" in value:
         return "factory"
     if isinstance(value, dict) and ({"hf", "hf_arch"} & set(value)):

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
 from ..spec import field_path
+from ..spec_files import position
 from .dashboard import mount_dashboard
 from .routes import jobs, metrics, packages, streams, system
 from .settings import Settings
@@ -67,12 +68,21 @@ async def _lifespan(app: FastAPI):
     app.state.store.close()
 
 
+def _error_entry(error: dict, body) -> dict:
+    """``{"field", "message"}``; a body that is not JSON is named by line and column."""
+    if error["type"] == "json_invalid" and isinstance(body, str):
+        line, column = position(body, error["loc"][1])
+        return {"field": "body", "message": f"not valid JSON: {error['ctx']['error']}: "
+                                            f"line {line}, column {column}"}
+    loc = error["loc"]
+    return {"field": field_path(loc[1:] if loc[:1] == ("body",) else loc) or "body",
+            "message": error["msg"]}
+
+
 async def _invalid(request: Request, exc: RequestValidationError):
     """422 with one entry per field, by the path the user wrote (``spec.optimizer.lr``);
     never the offending input, which may not be JSON (NaN)."""
-    detail = [{"field": field_path(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])
-               or "body",
-               "message": e["msg"]} for e in exc.errors()]
+    detail = [_error_entry(e, exc.body) for e in exc.errors()]
     return JSONResponse({"detail": detail}, status_code=422)
 
 

@@ -174,7 +174,9 @@ def _last_step(spool: str) -> int | None:
 
 def _arguments(argv):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--spec", required=True, help="job spec, YAML or JSON")
+    ap.add_argument("--spec", required=True,
+                    help="job spec: .yaml/.yml, .json or .toml (a file that does not "
+                         "parse exits 2 with its line and column)")
     ap.add_argument("--plan", default=None,
                     help="the stored plan (JSON) to run, checked against the live cluster")
     ap.add_argument("--storage", default=os.environ.get("DMUON_STORAGE",

@@ -77,7 +77,7 @@ function showFacts(job) {
   document.getElementById("job-title").dataset.status = job.status;
   const p = job.partition;
   const facts = {
-    status: job.status, model: job.spec.model, steps: job.spec.steps,
+    status: job.status, model: modelName(job.spec.model), steps: job.spec.steps,
     layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
     "planned on": plannedOn(p.inventory),
     mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
