@@ -37,23 +37,47 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
-Importing this package replaces no FSDP2 function; it wraps tensor parallelism's public
-``distribute_module`` so that TP applied after ``dedicate_params`` is refused by name.
+Importing this package replaces no FSDP2 function. It rebinds the public name
+``torch.distributed.fsdp.fully_shard`` to ``dmuon.fully_shard`` (the seeds' contract:
+plain ``fully_shard`` after ``import dmuon`` skips dedicated params), and wraps tensor
+parallelism's public ``distribute_module`` so that TP applied after ``dedicate_params``
+is refused by name.
 """
 
 from . import checkpoint
 from .comm import Ledger
-from .compose import fully_shard, guard_tensor_parallel
-from .dedicate import dedicate_params, get_plan, get_state, ignored_params
+from .compose import (
+    dedicate_params_ddp,
+    fully_shard,
+    guard_tensor_parallel,
+    install_fully_shard,
+    replicate,
+)
+from .dedicate import (
+    dedicate_params,
+    get_dedicated_params,
+    get_owned_params,
+    get_plan,
+    get_state,
+    ignored_params,
+    wait_all_reduces,
+)
 from .grads import clip_grad_norm_, no_sync
 from .init import init_weights, materialize, unit_seed
-from .newton_schulz import newton_schulz, ns_flops
+from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .optim import Muon
 from .partition import Assignment, DedicationPlan, partition
 from .state_dict import full_state_dict
+from .state_dicts import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from .stats import MEMORY_KINDS, memory_report
 
 guard_tensor_parallel()
+install_fully_shard()
 
 
 def get_ledger(model) -> Ledger:
@@ -67,12 +91,19 @@ __all__ = [
     "Ledger",
     "MEMORY_KINDS",
     "Muon",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "YOU_COEFFICIENTS",
     "checkpoint",
     "clip_grad_norm_",
     "dedicate_params",
+    "dedicate_params_ddp",
     "full_state_dict",
     "fully_shard",
+    "get_dedicated_params",
     "get_ledger",
+    "get_model_state_dict",
+    "get_optimizer_state_dict",
+    "get_owned_params",
     "get_plan",
     "ignored_params",
     "init_weights",
@@ -82,5 +113,9 @@ __all__ = [
     "no_sync",
     "ns_flops",
     "partition",
+    "replicate",
+    "set_model_state_dict",
+    "set_optimizer_state_dict",
     "unit_seed",
+    "wait_all_reduces",
 ]

@@ -129,7 +129,9 @@ class Boundary:
     @torch.no_grad()
     def set_param_dtype(self, param_dtype: torch.dtype) -> None:
         """Mixed precision adopted after ``dedicate_params``: the buffers in the new
-        dtype, masters and column values carried over."""
+        dtype, masters and column values carried over, the storage kept or freed as it
+        was."""
+        allocated = self.allocated
         values = self.column_values.to(self.master_dtype)
         masters = {fqn: t.detach().clone() for fqn, t in self.masters.items()}
         self.param_dtype = param_dtype
@@ -138,8 +140,15 @@ class Boundary:
         self.column_values.copy_(values)
         for fqn, t in masters.items():
             self.masters[fqn].copy_(t)
-        self.bind_views()
-        self.free()
+        if not self.on_meta:
+            self.bind_views()
+        if not allocated:
+            self.free()
+
+    @property
+    def on_meta(self) -> bool:
+        """The module's tensors are still meta (until ``dmuon.materialize``)."""
+        return any(m.module_tensor().is_meta for m in self.members)
 
     def _column_view(self, m: Member) -> torch.Tensor:
         lo = m.offset - self.column_offset

@@ -33,7 +33,7 @@ def _param_fqns(model: nn.Module) -> dict[int, str]:
     return {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
 
 
-def _ensure_optimizer_state(model: nn.Module, optimizer) -> None:
+def ensure_optimizer_state(optimizer) -> None:
     """Materialise state the optimizer creates lazily, with the values its first step
     would start from, so that every rank knows which tensors to load into."""
     for group in optimizer.param_groups:
@@ -85,18 +85,13 @@ def _scalar_dtype() -> torch.dtype:
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
 
 
-def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """``(model_state_dict, optimizer_state_dict)`` of this rank's share, keyed by FQN.
-
-    Dedicated params appear on their owners, as the masters (fp32 under mixed
-    precision); everything else as FSDP2 DTensors. Optimizer state is keyed
-    ``{fqn: {state_name: tensor}}`` plus ``param_groups`` hyperparameters.
-    """
+def model_share(model: nn.Module) -> dict:
+    """This rank's share of the model's state, by FQN: dedicated params on their owners,
+    as the masters (fp32 under mixed precision); everything else as FSDP2 DTensors."""
     state = get_state(model)
     state.drain()
     with allow_raw_state_dict():
         raw = model.state_dict()
-    tp_of = {m.fqn: m.tp for b in state.boundaries for m in b.members if m.tp is not None}
     column_owned = {m.fqn: _tp_wrapped(b.masters[m.fqn], m.tp)
                     for b in state.boundaries for m in b.owned}
     units_of = units_by_key(state.plan)
@@ -107,7 +102,15 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
         for unit in units_of.get(key, ()):
             if unit in column_owned:
                 model_sd.update(_by_expert(state.plan, unit, column_owned[unit]))
-    _ensure_optimizer_state(model, optimizer)
+    return model_sd
+
+
+def optimizer_share(model: nn.Module, optimizer) -> dict:
+    """This rank's share of the optimizer's state, ``{fqn: {state_name: tensor}}``, plus
+    the ``param_groups`` hyperparameters."""
+    state = get_state(model)
+    tp_of = {m.fqn: m.tp for b in state.boundaries for m in b.members if m.tp is not None}
+    ensure_optimizer_state(optimizer)
     names = _param_fqns(model)
     names.update({id(own): fqn for fqn, own in state.owned_params.items()})
     optim_state = {}
@@ -116,38 +119,87 @@ def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
             value = _tp_wrapped(value, tp_of.get(names[id(p)]))
             for key, v in _by_expert(state.plan, names[id(p)], value).items():
                 optim_state.setdefault(key, {})[name] = v
-    optim_sd = {
+    return {
         "state": optim_state,
         "param_groups": [
             {k: v for k, v in g.items() if k not in _GROUP_KEYS_SKIPPED}
             for g in optimizer.param_groups
         ],
     }
-    return model_sd, optim_sd
 
 
-@torch.no_grad()
-def set_state_dict(model: nn.Module, optimizer, state_dict) -> None:
-    """Copy a ``get_state_dict``-shaped ``(model_sd, optim_sd)`` into model and optimizer."""
-    model_sd, optim_sd = state_dict
-    target_model, target_optim = get_state_dict(model, optimizer)
-    missing = [f"model/{k}" for k in target_model if k not in model_sd]
-    missing += [f"optim/{k}/{n}" for k, s in target_optim["state"].items() for n in s
-                if n not in optim_sd["state"].get(k, {})]
+def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
+    """``(model_share(model), optimizer_share(model, optimizer))``: this rank's share."""
+    return model_share(model), optimizer_share(model, optimizer)
+
+
+def _lacking(target: dict, given: dict) -> list[str]:
+    return [f"model/{k}" for k in target if k not in given]
+
+
+def _lacking_optim(target: dict, given: dict) -> list[str]:
+    return [f"optim/{k}/{n}" for k, s in target["state"].items() for n in s
+            if n not in given["state"].get(k, {})]
+
+
+def _raise_lacking(missing: list[str]) -> None:
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} keys this rank needs: "
                        f"{_preview(missing)}")
-    for key, dst in target_model.items():
+
+
+@torch.no_grad()
+def _copy_model(target: dict, model_sd: dict) -> None:
+    for key, dst in target.items():
         _copy(dst, model_sd[key], f"model/{key}")
-    for fqn, tensors in target_optim["state"].items():
+
+
+@torch.no_grad()
+def _copy_optimizer(optimizer, target: dict, optim_sd: dict) -> None:
+    for fqn, tensors in target["state"].items():
         for name, dst in tensors.items():
             _copy(dst, optim_sd["state"][fqn][name], f"optim/{fqn}/{name}")
-    for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
-        group.update({k: v for k, v in saved.items() if k not in _GROUP_KEYS_SKIPPED})
+    load_groups(optimizer, optim_sd["param_groups"])
+
+
+def load_groups(optimizer, saved_groups: list[dict]) -> None:
+    """Saved hyperparameters into the optimizer's groups, by position."""
+    skipped = (*_GROUP_KEYS_SKIPPED, "kind")
+    for group, saved in zip(optimizer.param_groups, saved_groups):
+        group.update({k: v for k, v in saved.items() if k not in skipped})
+
+
+def _republish(model: nn.Module) -> None:
     for b in get_state(model).boundaries:  # the owners' loaded values reach their replicas
         b.publish()
         b.start_replicate()
         b.wait_replicate()
+
+
+def load_model_share(model: nn.Module, model_sd: dict) -> None:
+    """Copy a ``model_share``-shaped dict of the same layout into the model."""
+    target = model_share(model)
+    _raise_lacking(_lacking(target, model_sd))
+    _copy_model(target, model_sd)
+    _republish(model)
+
+
+def load_optimizer_share(model: nn.Module, optimizer, optim_sd: dict) -> None:
+    """Copy an ``optimizer_share``-shaped dict of the same layout into the optimizer."""
+    target = optimizer_share(model, optimizer)
+    _raise_lacking(_lacking_optim(target, optim_sd))
+    _copy_optimizer(optimizer, target, optim_sd)
+
+
+def set_state_dict(model: nn.Module, optimizer, state_dict) -> None:
+    """Copy a ``get_state_dict``-shaped ``(model_sd, optim_sd)`` into model and optimizer;
+    every key is checked before anything is written."""
+    model_sd, optim_sd = state_dict
+    target_model, target_optim = get_state_dict(model, optimizer)
+    _raise_lacking(_lacking(target_model, model_sd) + _lacking_optim(target_optim, optim_sd))
+    _copy_model(target_model, model_sd)
+    _copy_optimizer(optimizer, target_optim, optim_sd)
+    _republish(model)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:

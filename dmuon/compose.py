@@ -1,15 +1,16 @@
 """Composition with FSDP2 through its public API.
 
 Dedicated params reach FSDP2 as ``ignored_params`` (not sharded, gradients not reduced:
-exactly what DMuon needs), either through the drop-in ``dmuon.fully_shard`` or by passing
-``ignored_params=dmuon.ignored_params(model)`` to ``torch.distributed.fsdp.fully_shard``.
-No FSDP2 function is replaced. The drop-in also hands FSDP2's ``mp_policy`` to DMuon,
-so one mixed-precision policy covers both kinds of params.
+exactly what DMuon needs). ``dmuon.fully_shard`` adds them, and hands FSDP2's
+``mp_policy`` to DMuon so one mixed-precision policy covers both kinds of params.
+Importing dmuon rebinds the public name ``torch.distributed.fsdp.fully_shard`` to it, as
+the seeds' set-up order (``import dmuon``, ``dedicate_params``, ``fully_shard``) expects;
+passing ``ignored_params=dmuon.ignored_params(model)`` works the same. No FSDP2
+function is replaced: FSDP2's own stays where it is defined.
 
-One public torch function is wrapped at import, tensor parallelism's
-``distribute_module``: applied after ``dedicate_params`` it would read the placeholders'
-freed storage and fail with a storage-size error that names nothing; the wrapper
-refuses by the param's name instead.
+Tensor parallelism's public ``distribute_module`` is wrapped at import too: applied
+after ``dedicate_params`` it would read the placeholders' freed storage and fail with a
+storage-size error that names nothing; the wrapper refuses by the param's name instead.
 """
 
 from __future__ import annotations
@@ -18,23 +19,88 @@ import functools
 
 from torch import nn
 
-from .dedicate import is_dedicated
+from .dedicate import dedicate_params, is_dedicated
 
 
-def fully_shard(module, *, ignored_params: set | None = None, **kwargs):
-    """``torch.distributed.fsdp.fully_shard`` with ``module``'s dedicated params added to
-    ``ignored_params``; a ``mp_policy`` also becomes DMuon's for the boundaries inside.
-    Takes every other argument of FSDP2's ``fully_shard`` and returns what it returns."""
-    from torch.distributed.fsdp import fully_shard as fsdp_fully_shard
+def _skipping_dedicated(fsdp_fully_shard):
+    """FSDP2's ``fully_shard`` with the module's dedicated params added to
+    ``ignored_params``; a ``mp_policy`` also becomes DMuon's for the boundaries inside."""
 
-    modules = (module,) if isinstance(module, nn.Module) else tuple(module)
-    dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
-    policy = kwargs.get("mp_policy")
-    if dedicated and policy is not None:
-        state = next(iter(dedicated))._dmuon_owner_state
-        state.adopt_mp_policy(policy)
-    return fsdp_fully_shard(module, ignored_params=set(ignored_params or ()) | dedicated, **kwargs)
+    @functools.wraps(fsdp_fully_shard)
+    def fully_shard(module, *, ignored_params: set | None = None, **kwargs):
+        modules = (module,) if isinstance(module, nn.Module) else tuple(module)
+        dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
+        policy = kwargs.get("mp_policy")
+        if dedicated and policy is not None:
+            state = next(iter(dedicated))._dmuon_owner_state
+            state.adopt_mp_policy(policy)
+        return fsdp_fully_shard(module, ignored_params=set(ignored_params or ()) | dedicated,
+                                **kwargs)
 
+    fully_shard.__module__ = __name__
+    fully_shard.__doc__ = (
+        "``torch.distributed.fsdp.fully_shard`` with ``module``'s dedicated params added "
+        "to ``ignored_params`` and its ``mp_policy`` handed to DMuon; takes and returns "
+        "what FSDP2's does.\n\n" + (fsdp_fully_shard.__doc__ or ""))
+    fully_shard._dmuon_skips_dedicated = True
+    return fully_shard
+
+
+def _fsdp2_fully_shard():
+    from torch.distributed import fsdp
+
+    current = fsdp.fully_shard
+    return current.__wrapped__ if getattr(current, "_dmuon_skips_dedicated", False) else current
+
+
+fully_shard = _skipping_dedicated(_fsdp2_fully_shard())
+
+
+def install_fully_shard() -> None:
+    """The seeds' contract: after ``import dmuon``, ``torch.distributed.fsdp.fully_shard``
+    skips dedicated params. The public name is rebound to ``dmuon.fully_shard``; FSDP2's
+    own function (and every private one) stays as it is, so a ``fully_shard`` bound
+    before ``import dmuon`` is FSDP2's: ``check_dedicated`` then names the param."""
+    from torch.distributed import fsdp
+
+    fsdp.fully_shard = fully_shard
+
+
+def _replicate_layout(mesh):
+    """A 1-D data-parallel mesh as the R x 1 (replicate, shard) layout of the same ranks."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh.ndim != 1:
+        raise ValueError(f"the DDP composition takes a 1-D data-parallel mesh, got "
+                         f"{mesh.ndim}-D {mesh.mesh_dim_names}; for HSDP use dedicate_params")
+    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1),
+                      mesh_dim_names=("replicate", "shard"))
+
+
+def dedicate_params_ddp(model: nn.Module, mesh, predicate, **kwargs):
+    """Dedicated ownership without sharding (the reference's DDP composition): every rank
+    keeps every matrix, one owner per matrix among all ranks receives its averaged
+    gradient, runs NS alone and sends the update to the others. It is the R x 1 layout
+    of ``mesh``'s ranks (DMuon-Z2 on a shard group of one); ``dmuon.replicate(model)``
+    then replicates the other params. Takes ``dedicate_params``' other keywords."""
+    layout = _replicate_layout(mesh)
+    plan = dedicate_params(model, layout["shard"], predicate, replicate_mesh=layout["replicate"],
+                           reshard_after_forward=False, **kwargs)
+    model._dmuon_ddp_layout = layout
+    return plan
+
+
+def replicate(model: nn.Module, mesh=None, **kwargs):
+    """The params ``dedicate_params_ddp`` left out, replicated with gradients averaged
+    over the ranks as DDP does: FSDP2 on the R x 1 layout, which shards nothing (one
+    all-reduce per step; takes FSDP2's other keywords, e.g. ``mp_policy``)."""
+    layout = getattr(model, "_dmuon_ddp_layout", None)
+    if layout is None:
+        raise RuntimeError("dmuon.replicate(model) follows dmuon.dedicate_params_ddp(model, "
+                           "mesh, predicate)")
+    if mesh is not None and mesh.mesh.flatten().tolist() != layout.mesh.flatten().tolist():
+        raise ValueError("dmuon.replicate: mesh differs from the one dedicate_params_ddp used")
+    return fully_shard(model, mesh=layout, reshard_after_forward=False, **kwargs)
 
 
 def _refusing_dedicated(distribute_module):

@@ -102,6 +102,7 @@ class DMuonState:
         self.optimizer_attached = False
         self.memory_trace: list[tuple[str, int]] | None = None
         self.model = lambda: None  # a weak reference to the dedicated model, once attached
+        self.set_up_checked = False  # before_first_forward ran
 
     @property
     def ledger(self) -> comm.Ledger:
@@ -124,6 +125,35 @@ class DMuonState:
             raise RuntimeError("the model was dedicated on the meta device: call "
                                "dmuon.materialize(model, ...) before the first forward")
 
+    def check_dedicated(self) -> None:
+        """Refuse a model whose dedicated params FSDP2 took over: a ``fully_shard`` bound
+        before ``import dmuon`` is FSDP2's own, which does not skip them."""
+        model = self.model()
+        if model is None:
+            return
+        for b in self.boundaries:
+            for m in b.members:
+                fqn = self.plan.params[m.fqn].param
+                if model.get_parameter(fqn) is not m.param:
+                    raise RuntimeError(
+                        f"'{fqn}' is dedicated to DMuon, but FSDP2 sharded it: that "
+                        "fully_shard was imported before `import dmuon`, so it does not skip "
+                        "dedicated params. Import dmuon first (then `from "
+                        "torch.distributed.fsdp import fully_shard` skips them), or call "
+                        "dmuon.fully_shard, or pass ignored_params=dmuon.ignored_params(model);"
+                        " order: TP, dmuon.dedicate_params, fully_shard")
+
+    def before_first_forward(self) -> None:
+        """Checks the set-up once, then frees the placeholders' storage, which a model
+        dedicated with its values kept until now (see ``build_boundaries``)."""
+        if self.set_up_checked:
+            return
+        self.check_initialised()
+        self.check_dedicated()
+        for b in self.boundaries:
+            b.free()
+        self.set_up_checked = True
+
     def prefetch(self, hooks: BoundaryHooks, forward: bool) -> None:
         """Issue the all-gathers of the next boundaries (in backward: the previous ones,
         Z3 only), so they overlap this boundary's compute. Every rank issues the same."""
@@ -143,6 +173,7 @@ class DMuonState:
     # -- the root's hooks: where one iteration's backward begins and ends -----------------
     def install_root_hooks(self, model: nn.Module) -> None:
         def pre_forward(module, args):
+            self.before_first_forward()
             if self.in_backward:
                 self.end_backward()
             # the first boundaries' all-gathers overlap what runs before them (the
@@ -257,6 +288,17 @@ def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:
                 unsharded.grad = None
 
 
+def _policy(mp_policy, compute_dtype):
+    if compute_dtype is None:
+        return mp_policy
+    if mp_policy is not None:
+        raise ValueError("dedicate_params takes mp_policy or compute_dtype, not both "
+                         "(compute_dtype=X is mp_policy=MixedPrecisionPolicy(param_dtype=X))")
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=compute_dtype)
+
+
 def get_state(model: nn.Module) -> DMuonState:
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
@@ -267,6 +309,33 @@ def get_state(model: nn.Module) -> DMuonState:
 def get_plan(model: nn.Module) -> DedicationPlan:
     """The plan ``dedicate_params`` made for ``model``."""
     return get_state(model).plan
+
+
+def get_dedicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """Every dedicated param of ``model`` (the module's own placeholders), in plan order."""
+    state = get_state(model)
+    return [model.get_parameter(fqn) for fqn in state.plan.param_fqns]
+
+
+def get_owned_params(model: nn.Module, rank) -> list[nn.Parameter]:
+    """The dedicated params ``rank`` owns: a global rank, or the reference's ``(shard,
+    replicate)`` coordinate. Their values and gradients live in the owner's masters
+    (``dmuon.get_state(model).owned_params``); these are the module's params."""
+    plan = get_state(model).plan
+    if isinstance(rank, tuple):
+        shard, replica = rank
+        rank = replica * plan.shard_size + shard
+    if not (isinstance(rank, int) and not isinstance(rank, bool)
+            and 0 <= rank < plan.world_size):
+        raise ValueError(f"rank={rank!r} is not a rank of the {plan.world_size}-rank layout")
+    return [p for p in get_dedicated_params(model)
+            if rank in {plan.params[u].owner for u in plan.param_fqns[p._dmuon_dedicated]}]
+
+
+def wait_all_reduces(model: nn.Module) -> None:
+    """Every gradient reduced and landed in its owner's master ``.grad`` (``step()`` and
+    ``clip_grad_norm_`` do this themselves)."""
+    get_state(model).finish_gradient_sync()
 
 
 def is_dedicated(param: nn.Parameter) -> bool:
@@ -319,48 +388,66 @@ def _param_dtype(members: list[Member], mp_policy) -> tuple[torch.dtype, torch.d
     return param_dtype, master
 
 
-def _off_meta(model: nn.Module, fqns, device) -> None:
-    """Dedicated params on the meta device become params on the mesh's device without
-    storage (``set_data`` cannot move a tensor off meta; nothing refers to them yet)."""
+def _refuse_tp_on_meta(model: nn.Module, fqns) -> None:
     for fqn in fqns:
         p = model.get_parameter(fqn)
-        if not p.is_meta:
-            continue
-        if hasattr(p, "placements"):
+        if p.is_meta and hasattr(p, "placements"):
             raise NotImplementedError(
                 f"'{fqn}' is a tensor-parallel param on the meta device: meta-device init "
                 "with tensor parallelism is not supported yet; materialise before TP")
-        new = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
-                           requires_grad=p.requires_grad)
-        for name, q in list(model.named_parameters(remove_duplicate=False)):
-            if q is p:
-                parent, _, attr = name.rpartition(".")
-                setattr(model.get_submodule(parent), attr, new)
+
+
+def leave_meta(state: DMuonState) -> None:
+    """Dedicated params still on the meta device get a storage-less tensor on the mesh's
+    device as their content, keeping their identity (``swap_tensors``: the boundaries,
+    the marks and the user's references stay valid; only autograd's hooks, which live on
+    the content, are registered again)."""
+    for b in state.boundaries:
+        swapped = False
+        for p in b.params:
+            if not p.is_meta:
+                continue
+            marks = dict(p.__dict__)
+            torch.utils.swap_tensors(p, nn.Parameter(
+                torch.empty(0, dtype=p.dtype, device=state.ctx.device),
+                requires_grad=p.requires_grad))
+            p.__dict__.update(marks)
+            swapped = True
+        if swapped:
+            next(h for h in state.hooks if h.boundary is b).hook_gradients()
 
 
 def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> None:
     """Packed buffers for every boundary, filled with the params' current values
-    (unless on the meta device), the module's tensors then viewing them."""
+    (unless on the meta device), the module's tensors then viewing them.
+
+    A model that had its values keeps the placeholders' storage until the first forward
+    (no more memory than the model held before), a meta model its meta params until
+    ``dmuon.materialize``: a ``fully_shard`` bound before ``import dmuon`` then shards a
+    copy, or meta tensors, leaving DMuon's storage untouched, and ``check_dedicated``
+    names the param instead of a storage-size error."""
     state.boundaries = []
     for name, members in _members(state.plan, params, shapes).items():
         b = Boundary(name, members, state.ctx, *_param_dtype(members, policy))
-        if not any(m.module_tensor().numel() == 0 for m in b.members):
+        if b.on_meta:
+            b.free()  # the module keeps its meta params until dmuon.materialize
+        else:
             b.load_initial_values()
-        b.bind_views()
-        b.free()
+            b.bind_views()
         state.boundaries.append(b)
 
 
 def dedicate_params(
     model: nn.Module,
     mesh,
-    *,
     predicate,
+    *,
     replicate_mesh=None,
     reshard_after_forward: bool = True,
     hook_boundary_predicate=None,
     hook_boundary_strict: bool = True,
     mp_policy=None,
+    compute_dtype: torch.dtype | None = None,
     prefetch: int = 1,
 ) -> DedicationPlan:
     """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
@@ -370,12 +457,16 @@ def dedicate_params(
     and momentum in the params' own dtype. ``prefetch``: how many boundaries ahead the
     forward (and, in Z3, the backward) issues all-gathers. A model on the meta device is
     planned and laid out without values; ``dmuon.materialize`` then creates them.
+    ``compute_dtype`` (the reference's name) is ``mp_policy=MixedPrecisionPolicy(
+    param_dtype=compute_dtype)``. The plan returned is also a read-only mapping from each
+    dedicated ``nn.Parameter`` to its owner's global rank.
     """
     if hasattr(model, _STATE_ATTR):
         raise RuntimeError("dedicate_params was already called on this model")
     if prefetch < 0:
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     _check_not_fully_sharded(model)
+    mp_policy = _policy(mp_policy, compute_dtype)
     plan = partition(
         model, predicate=predicate, shard_size=mesh.size(),
         replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
@@ -387,7 +478,7 @@ def dedicate_params(
     state.mp_policy = mp_policy
     needs_init = any(model.get_parameter(f).is_meta for f in plan.param_fqns)
     shapes = _local_shapes(plan, dict(model.named_parameters()))
-    _off_meta(model, plan.param_fqns, ctx.device)
+    _refuse_tp_on_meta(model, plan.param_fqns)
     build_boundaries(state, dict(model.named_parameters()), shapes, mp_policy)
     state.needs_init = needs_init
     _attach(model, state)
@@ -412,6 +503,7 @@ def _attach(model: nn.Module, state: DMuonState) -> None:
     install_state_dict_guard(model, plan)
     state.model = weakref.ref(model)
     _discarding_zero_grad(model, state)
+    plan.bind(params)
     setattr(model, _STATE_ATTR, state)
 
 

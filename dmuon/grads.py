@@ -31,14 +31,31 @@ def no_sync(model: nn.Module):
             m.set_requires_gradient_sync(True, recurse=False)
 
 
+def _model_of(model_or_optimizer) -> nn.Module:
+    if isinstance(model_or_optimizer, nn.Module):
+        return model_or_optimizer
+    state = getattr(model_or_optimizer, "_state", None)
+    model = state.model() if state is not None else None
+    if model is None:
+        raise TypeError("clip_grad_norm_ takes a dedicated model or its dmuon.Muon optimizer, "
+                        f"got {type(model_or_optimizer).__name__}")
+    return model
+
+
 @torch.no_grad()
-def clip_grad_norm_(model: nn.Module, max_norm: float, eps: float = 1e-6) -> torch.Tensor:
-    """Clip the global 2-norm of every gradient of a dedicated model; returns the norm.
+def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
+    alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
 
     Collective. Owned gradients live on exactly one rank; FSDP2 gradients are sharded on
     the shard dim and replicated on the replicate dim, so their squares are divided by R
     before the sum over all R x N ranks.
     """
+    if norm_type != 2.0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; the "
+                         "global 2-norm is (norm_type=2.0)")
+    model = _model_of(model_or_optimizer)
     state = get_state(model)
     state.finish_gradient_sync()
     owned = [p.grad for p in state.owned_params.values() if p.grad is not None]
@@ -55,6 +72,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, eps: float = 1e-6) -> tor
     if ctx.replicate_size > 1:
         comm.wait(comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step"))
     total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
+    if error_if_nonfinite and not math.isfinite(total.item()):
+        raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
     coef = float(max_norm) / (total.item() + eps)
     if coef < 1 and math.isfinite(coef):
         for g in owned + local:

@@ -44,11 +44,20 @@ class BoundaryHooks:
         self._complete_on_grads = False  # inputs need no grad: the last gradient ends it
         self._grads_seen: set[int] = set()
         self._regathered = False
+        self._hooked: set[int] = set()
         module._dmuon_boundary = self
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         self._post_forward_handle = module.register_forward_hook(self._post_forward)
-        for p in boundary.params:
-            p.register_post_accumulate_grad_hook(self._on_gradient)
+        self.hook_gradients()
+
+    def hook_gradients(self) -> None:
+        """The gradient hooks, on params off the meta device: autograd keeps them with a
+        tensor's content, which ``materialize`` swaps in for a meta param (and then
+        calls this again)."""
+        for p in self.boundary.params:
+            if not p.is_meta and id(p) not in self._hooked:
+                p.register_post_accumulate_grad_hook(self._on_gradient)
+                self._hooked.add(id(p))
 
     # -- forward -----------------------------------------------------------------------
     def _pre_forward(self, module, args, kwargs):
@@ -56,7 +65,7 @@ class BoundaryHooks:
         recompute = state.in_backward
         if not recompute:
             self._regathered = False
-        state.check_initialised()
+        state.before_first_forward()
         b.start_gather("recompute" if recompute else "forward")
         if not recompute:
             state.prefetch(self, forward=True)

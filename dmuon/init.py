@@ -25,7 +25,7 @@ import hashlib
 import torch
 from torch import nn
 
-from .dedicate import get_state, is_dedicated
+from .dedicate import get_state, is_dedicated, leave_meta
 
 
 def unit_seed(seed: int, fqn: str) -> int:
@@ -73,7 +73,7 @@ def _swapped(params, temporaries):
             setattr(module, attr, p)
 
 
-def _local_part(full: torch.Tensor, param, device) -> torch.Tensor:
+def local_part(full: torch.Tensor, param, device) -> torch.Tensor:
     """This rank's part of a DTensor param (FSDP2 shard, TP shard), sliced locally."""
     from torch.distributed.tensor import distribute_tensor
 
@@ -85,11 +85,11 @@ def _keep(state, p, full: torch.Tensor, column_of: dict) -> None:
     """Copy what this rank keeps of ``p``'s initial value ``full``."""
     device = state.ctx.device
     if is_dedicated(p):
-        value = _local_part(full, p, device) if hasattr(p, "placements") else full
+        value = local_part(full, p, device) if hasattr(p, "placements") else full
         for b, m in column_of.get(id(p), ()):
             b.load_value(m, value[m.experts[0]:m.experts[1]] if m.experts else value)
     elif hasattr(p, "to_local"):
-        p.to_local().copy_(_local_part(full, p, device))
+        p.to_local().copy_(local_part(full, p, device))
     else:
         p.copy_(full)
 
@@ -139,6 +139,8 @@ def materialize(model: nn.Module, *, seed: int = 0, init_fn=None) -> None:
     """Allocate and initialise a model dedicated (and fully sharded) on the meta device;
     collective only in that every rank must call it. See the module docstring."""
     state = get_state(model)
+    state.check_dedicated()
+    leave_meta(state)
     _to_empty_except_dedicated(model, state)
     _initialise(model, state, seed, init_fn)
     state.needs_init = False

@@ -32,13 +32,24 @@ _POLAR_EXPRESS_RAW = [
 ]
 POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPRESS_RAW[:-1]]
 POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
+# The seeds' reference implementation's default schedule: the first five Polar Express
+# polynomials above, damped by a safety factor of 1.05 instead of 1.01
+# (X-Square-Robot/dmuon, dmuon/optim/newton_schulz.py); pass it as ns_coefficients.
+POLAR_EXPRESS_COEFFICIENTS = [(a / 1.05, b / 1.05**3, c / 1.05**5)
+                              for a, b, c in _POLAR_EXPRESS_RAW[:5]]
+# Jiacheng You's per-iteration quintic coefficients, as the reference exports them.
+YOU_COEFFICIENTS = [(4.0848, -6.8946, 2.9270), (3.9505, -6.3029, 2.6377),
+                    (3.7418, -5.5913, 2.3037), (2.8769, -3.1427, 1.2046),
+                    (2.8366, -3.0525, 1.2012)]
 BACKENDS = ("gram", "standard")
+BACKEND_ALIASES = {"direct": "standard"}  # the reference's name for the standard iteration
 COEFFICIENT_NAMES = ("quintic", "polar_express")
 
 
 def coefficient_schedule(coefficients, steps: int) -> list[tuple[float, float, float]]:
     """One (a, b, c) per iteration: fixed for "quintic" or a tuple, per-iteration for
-    "polar_express" (its last polynomial repeats beyond the published list)."""
+    "polar_express" (its last polynomial repeats beyond the published list) and for a
+    list of ``steps`` tuples (``POLAR_EXPRESS_COEFFICIENTS``, ``YOU_COEFFICIENTS``)."""
     if isinstance(coefficients, str):
         if coefficients == "quintic":
             return [QUINTIC] * steps
@@ -48,6 +59,12 @@ def coefficient_schedule(coefficients, steps: int) -> list[tuple[float, float, f
             f"ns_coefficients={coefficients!r} is not one of {list(COEFFICIENT_NAMES)} "
             "nor an (a, b, c) tuple"
         )
+    coefficients = list(coefficients)
+    if coefficients and isinstance(coefficients[0], (tuple, list)):
+        if len(coefficients) != steps:
+            raise ValueError(f"ns_coefficients lists {len(coefficients)} (a, b, c) "
+                             f"iterations but ns_steps={steps}")
+        return [coefficient_schedule(abc, 1)[0] for abc in coefficients]
     abc = tuple(float(c) for c in coefficients)
     if len(abc) != 3:
         raise ValueError(f"ns_coefficients must have 3 values (a, b, c), got {abc}")
@@ -55,8 +72,14 @@ def coefficient_schedule(coefficients, steps: int) -> list[tuple[float, float, f
 
 
 def check_backend(backend: str) -> str:
+    """The backend's canonical name ("direct" is "standard")."""
+    if not isinstance(backend, str):
+        raise TypeError(f"ns_backend={backend!r}: pass a name, one of {list(BACKENDS)} (or "
+                        "'direct'), and the schedule as ns_coefficients; the reference's "
+                        "NewtonSchulz objects and kernel switches have no meaning here")
+    backend = BACKEND_ALIASES.get(backend, backend)
     if backend not in BACKENDS:
-        raise ValueError(f"ns_backend={backend!r} is not one of {list(BACKENDS)}")
+        raise ValueError(f"ns_backend={backend!r} is not one of {list(BACKENDS)} or 'direct'")
     return backend
 
 
@@ -168,7 +191,7 @@ def newton_schulz(
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a 2-D matrix (or 3-D batch), got {tuple(G.shape)}")
-    check_backend(backend)
+    backend = check_backend(backend)
     schedule = coefficient_schedule(coefficients, steps)
     dtype = dtype or default_ns_dtype(G.device, backend, G.dtype)
     X, tall = _normalised_wide(G, dtype, eps)
@@ -192,7 +215,7 @@ def _gram_matmuls(steps: int, restart: bool) -> int:
 
 def ns_flops(shape, steps: int = 5, backend: str = "gram", restart: bool = True) -> int:
     """Matmul FLOPs of one NS call, counted as FlopCounterMode does (2 per multiply-add)."""
-    check_backend(backend)
+    backend = check_backend(backend)
     m, n = sorted(int(d) for d in shape[-2:])
     batch = 1
     for d in shape[:-2]:

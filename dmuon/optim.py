@@ -13,8 +13,17 @@ from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 _MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_backend",
-              "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn")
-_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay")
+              "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn",
+              "group_name")
+_ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "group_name")
+# the reference's named groups: key -> (the Muon or AdamW option it sets, fallback keys)
+_NAMED_GROUP_KEYS = {
+    "muon": {"lr": ("muon_lr", "lr"), "weight_decay": ("muon_weight_decay", "weight_decay"),
+             "momentum": ("momentum",)},
+    "adamw": {"lr": ("adamw_lr", "lr"), "weight_decay": ("adamw_weight_decay", "weight_decay"),
+              "betas": ("adamw_betas",), "eps": ("adamw_eps",)},
+}
+_NAMED_GROUP_EXTRA = ("params", "group_name", "name")
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
@@ -35,6 +44,41 @@ def _apply(p, ortho, group, full_shape) -> None:
     """torch.optim.Muon's weight decay and step, with its per-matrix lr scaling."""
     p.mul_(1 - group["lr"] * group["weight_decay"])
     p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
+
+
+def named_groups(model: nn.Module, param_groups) -> list[dict]:
+    """The reference's ``param_groups=[{"params": [...], "lr": ..., "group_name": ...}]``
+    over the model's params as torch-style groups: each named group becomes a Muon group
+    of its dedicated params and an AdamW group of the rest (``<name>/muon``,
+    ``<name>/adamw``); ``muon_lr``/``adamw_lr``, ``muon_weight_decay``/
+    ``adamw_weight_decay`` override the group's ``lr``/``weight_decay`` per kind, which
+    override the constructor's. Every trainable param must be in exactly one group."""
+    allowed = {k for keys in _NAMED_GROUP_KEYS.values() for ks in keys.values() for k in ks}
+    out, seen = [], {}
+    for i, g in enumerate(param_groups):
+        extra = sorted(set(g) - allowed - set(_NAMED_GROUP_EXTRA))
+        if extra:
+            raise ValueError(f"dmuon.Muon: param_groups[{i}] does not take {extra}; its keys "
+                             f"are {sorted(allowed | set(_NAMED_GROUP_EXTRA))}")
+        if "params" not in g:
+            raise ValueError(f"dmuon.Muon: param_groups[{i}] has no 'params'")
+        name = g.get("group_name", g.get("name", f"group_{i}"))
+        params = list(g["params"])
+        for p in params:
+            if id(p) in seen:
+                raise ValueError(f"dmuon.Muon: a param is in param_groups {seen[id(p)]} and {i}")
+            seen[id(p)] = i
+        for kind, keys in _NAMED_GROUP_KEYS.items():
+            chosen = [p for p in params if is_dedicated(p) == (kind == "muon")]
+            options = {opt: next(g[k] for k in ks if k in g) for opt, ks in keys.items()
+                       if any(k in g for k in ks)}
+            if chosen:
+                out.append({"params": chosen, **options, "group_name": f"{name}/{kind}"})
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
+    if missing:
+        raise ValueError(f"dmuon.Muon: param_groups leave out {missing[:4]} ({len(missing)} "
+                         "trainable params); put every trainable param in a group")
+    return out
 
 
 def _user_groups(params) -> tuple[list[dict], DMuonState]:
@@ -70,6 +114,7 @@ class Muon(torch.optim.Optimizer):
     ``lr``, so LR schedulers scale them together. NS defaults to Gram NS with one restart
     in ``ns_dtype`` (default: fp16 on CUDA, the gradient's precision on the CPU;
     ``ns_gram_dtype`` raises the m x m iteration's precision); ``ns_backend="standard"``
+    (or the reference's ``"direct"``)
     is torch.optim.Muon's.
     """
 
@@ -92,6 +137,7 @@ class Muon(torch.optim.Optimizer):
         adamw_eps: float = 1e-8,
         adamw_weight_decay: float = 0.0,
         replicate_async: bool = True,
+        param_groups: list[dict] | None = None,
     ) -> None:
         muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                              weight_decay=weight_decay, ns_steps=ns_steps,
@@ -104,7 +150,13 @@ class Muon(torch.optim.Optimizer):
         for name, value in (("adamw_lr", adamw_lr), ("adamw_weight_decay", adamw_weight_decay)):
             if not value >= 0:
                 raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {value}")
+        if param_groups is not None:
+            if not isinstance(params, nn.Module):
+                raise TypeError("dmuon.Muon(model, param_groups=[...]): named param groups "
+                                "go with the model as the first argument")
+            params = named_groups(params, param_groups)
         user_groups, self._state = _user_groups(params)
+        self._state.check_dedicated()
         self.replicate_async = replicate_async
         members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
         self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
@@ -250,5 +302,5 @@ def _check_args(o: dict) -> None:
         raise ValueError(
             f"dmuon.Muon: adjust_lr_fn={o['adjust_lr_fn']!r} is not one of {list(_ADJUST_LR_FNS)}"
         )
-    check_backend(o["ns_backend"])
+    o["ns_backend"] = check_backend(o["ns_backend"])
     coefficient_schedule(o["ns_coefficients"], o["ns_steps"])

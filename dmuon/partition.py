@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -36,12 +37,37 @@ class Assignment:
 
 
 @dataclass
-class DedicationPlan:
-    """The result of the global LPT partition, identical on every rank."""
+class DedicationPlan(Mapping):
+    """The result of the global LPT partition, identical on every rank.
+
+    Once ``dedicate_params`` has bound it to the model, it is also a read-only mapping
+    from each dedicated ``nn.Parameter`` to its owner's global rank (the reference's
+    return value; a 3-D param sliced over several owners maps to the tuple of them)."""
 
     shard_size: int
     replicate_size: int
     params: dict[str, Assignment] = field(default_factory=dict)
+    _bound: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def bind(self, params: dict[str, nn.Parameter]) -> None:
+        """``params``: the model's params by FQN."""
+        self._bound = {id(params[fqn]): (params[fqn], fqn) for fqn in self.param_fqns}
+
+    def __getstate__(self):  # pickles and copies carry the plan, not the model's params
+        return {**self.__dict__, "_bound": {}}
+
+    def __getitem__(self, param) -> int | tuple[int, ...]:
+        bound = self._bound.get(id(param))
+        if bound is None or bound[0] is not param:
+            raise KeyError("not a dedicated param of this plan's model")
+        owners = sorted({self.params[u].owner for u in self.param_fqns[bound[1]]})
+        return owners[0] if len(owners) == 1 else tuple(owners)
+
+    def __iter__(self):
+        return (p for p, _ in self._bound.values())
+
+    def __len__(self) -> int:
+        return len(self._bound)
 
     @property
     def world_size(self) -> int:

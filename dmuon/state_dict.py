@@ -61,11 +61,12 @@ def install_state_dict_guard(model: nn.Module, plan) -> None:
         module.register_load_state_dict_pre_hook(refuse("load_state_dict"))
 
 
-def _gathered_masters(state, b) -> torch.Tensor:
-    """The boundary's masters in full, in the master dtype, on every rank: the owners'
-    parts over the replicate group into the column, the columns over the shard group."""
+def _gathered_owned(state, b, owned_tensor) -> torch.Tensor:
+    """The boundary's owned tensors (``owned_tensor(b, unit)``: the masters, or their
+    momentum) in full, in the master dtype, on every rank: the owners' parts over the
+    replicate group into the column, the columns over the shard group."""
     ctx, dtype = state.ctx, b.master_dtype
-    mine = [b.masters[m.fqn].detach().reshape(-1) for m in b.owned]
+    mine = [owned_tensor(b, m.fqn).detach().reshape(-1) for m in b.owned]
     mine = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=ctx.device)
     column = torch.empty(b.column_sizes[ctx.shard_rank], dtype=dtype, device=ctx.device)
     if ctx.replicate_group is None:
@@ -81,6 +82,19 @@ def _gathered_masters(state, b) -> torch.Tensor:
     return flat
 
 
+def full_owned(state, owned_tensor) -> dict[str, torch.Tensor]:
+    """State-dict key -> the dedicated param's tensor in full (collective): TP shards
+    joined, slices of experts concatenated."""
+    by_unit = {}
+    for b in state.boundaries:
+        flat = _gathered_owned(state, b, owned_tensor)
+        for m in b.members:
+            local = flat[m.offset:m.offset + m.numel].view(m.shape)
+            by_unit[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
+    return {key: torch.cat([by_unit[u] for u in units])
+            for key, units in units_by_key(state.plan).items()}
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer in full, by FQN, on every rank.
@@ -92,15 +106,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     state.drain()
     with allow_raw_state_dict():
         raw = model.state_dict()
-    by_unit = {}
-    for b in state.boundaries:
-        flat = _gathered_masters(state, b)
-        for m in b.members:
-            local = flat[m.offset:m.offset + m.numel].view(m.shape)
-            by_unit[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
-    # a 3-D param from its slices of experts
-    owned_values = {key: torch.cat([by_unit[u] for u in units])
-                    for key, units in units_by_key(state.plan).items()}
+    owned_values = full_owned(state, lambda b, unit: b.masters[unit])
     full: dict[str, torch.Tensor] = {}
     for key, value in raw.items():
         if key in owned_values:

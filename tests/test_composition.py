@@ -1,5 +1,6 @@
 """DMuon reaches FSDP2 through its public API: no private torch attribute is assigned
-anywhere in dmuon/, and importing dmuon leaves FSDP2's functions as they were."""
+anywhere in dmuon/, and importing dmuon leaves FSDP2's functions as they were (it
+rebinds one public name, ``torch.distributed.fsdp.fully_shard``)."""
 
 from __future__ import annotations
 
@@ -60,7 +61,10 @@ def test_no_private_torch_attribute_is_assigned_in_dmuon():
 
 
 def test_importing_dmuon_replaces_no_fsdp2_function():
+    """FSDP2's functions stay as they are; only the public name
+    ``torch.distributed.fsdp.fully_shard`` is rebound, to a wrapper of FSDP2's own."""
     code = (
+        "import torch.distributed.fsdp as fsdp\n"
         "from torch.distributed.fsdp import FSDPModule, fully_shard\n"
         "from torch.distributed.fsdp._fully_shard import _fully_shard as fs\n"
         "before = (fs._get_modules_and_states, FSDPModule.set_requires_gradient_sync,"
@@ -69,6 +73,9 @@ def test_importing_dmuon_replaces_no_fsdp2_function():
         "after = (fs._get_modules_and_states, FSDPModule.set_requires_gradient_sync,"
         " fs.fully_shard)\n"
         "assert all(a is b for a, b in zip(before, after)), 'replaced'\n"
+        "assert fsdp.fully_shard is dmuon.fully_shard is not fully_shard, 'not rebound'\n"
+        "assert fsdp.fully_shard.__wrapped__ is fully_shard is fs.fully_shard\n"
+        "assert fsdp.fully_shard.state is fully_shard.state\n"
         "print('same')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          cwd=ROOT, timeout=120)
