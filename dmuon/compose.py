@@ -77,15 +77,19 @@ def _replicate_layout(mesh):
                       mesh_dim_names=("replicate", "shard"))
 
 
-def dedicate_params_ddp(model: nn.Module, mesh, predicate, **kwargs):
+def dedicate_params_ddp(model: nn.Module, mesh, predicate, *, compute_dtype=None,
+                        hook_boundary_predicate=None, hook_boundary_strict: bool = True,
+                        mp_policy=None):
     """Dedicated ownership without sharding (the reference's DDP composition): every rank
     keeps every matrix, one owner per matrix among all ranks receives its averaged
     gradient, runs NS alone and sends the update to the others. It is the R x 1 layout
     of ``mesh``'s ranks (DMuon-Z2 on a shard group of one); ``dmuon.replicate(model)``
-    then replicates the other params. Takes ``dedicate_params``' other keywords."""
+    then replicates the other params."""
     layout = _replicate_layout(mesh)
     plan = dedicate_params(model, layout["shard"], predicate, replicate_mesh=layout["replicate"],
-                           reshard_after_forward=False, **kwargs)
+                           reshard_after_forward=False, compute_dtype=compute_dtype,
+                           hook_boundary_predicate=hook_boundary_predicate,
+                           hook_boundary_strict=hook_boundary_strict, mp_policy=mp_policy)
     model._dmuon_ddp_layout = layout
     return plan
 

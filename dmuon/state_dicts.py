@@ -43,12 +43,11 @@ class _Form:
     ignore_frozen: bool = False
 
 
-def _form(options, cpu_offload, rank0_only, loading: bool) -> _Form:
+def _form(options, cpu_offload: bool, rank0_only: bool, loading: bool) -> _Form:
     if options is None:
-        cpu = True if cpu_offload is None else bool(cpu_offload)
-        rank0 = True if rank0_only is None else bool(rank0_only)
-        return _Form(full=True, cpu_offload=cpu, rank0_only=rank0, strict=not loading)
-    if cpu_offload is not None or rank0_only is not None:
+        return _Form(full=True, cpu_offload=bool(cpu_offload), rank0_only=bool(rank0_only),
+                     strict=not loading)
+    if not (cpu_offload and rank0_only):
         raise ValueError("pass options=StateDictOptions(...) or the reference's "
                          "cpu_offload/rank0_only keywords, not both")
     for name, default in _UNSUPPORTED.items():
@@ -80,8 +79,8 @@ def _frozen_keys(model: nn.Module) -> set[str]:
     return {canonical_fqn(n) for n, p in model.named_parameters() if not p.requires_grad}
 
 
-def get_model_state_dict(model: nn.Module, *, options=None, cpu_offload=None,
-                         rank0_only=None) -> dict:
+def get_model_state_dict(model: nn.Module, *, options=None, cpu_offload: bool = True,
+                         rank0_only: bool = True) -> dict:
     """The model's state dict, full or this rank's share (see the module docstring)."""
     form = _form(options, cpu_offload, rank0_only, loading=False)
     if not form.full:
@@ -165,7 +164,7 @@ def set_model_state_dict(model: nn.Module, model_state_dict: dict, *,
                          options=None) -> _IncompatibleKeys:
     """Load a full (pretrained weights, a single-process ``state_dict()``) or sharded
     state dict into a dedicated model; returns the missing and unexpected keys."""
-    form = _form(options, None, None, loading=True)
+    form = _form(options, True, True, loading=True)
     get_state(model).drain()  # no replicate all-gather may land on loaded values
     if not form.full:
         checkpoint.load_model_share(model, model_state_dict)
@@ -194,8 +193,8 @@ def _group_names(model: nn.Module, opt) -> list[list[str]]:
     return [sorted(set().union(*(r[i] for r in everyone))) for i in range(len(mine))]
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None, cpu_offload=None,
-                             rank0_only=None) -> dict:
+def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None,
+                             cpu_offload: bool = True, rank0_only: bool = True) -> dict:
     """torch's optimizer state-dict layout (``state`` by param FQN, ``param_groups`` with
     FQNs), full or this rank's share; Muon momentum comes from the owners."""
     opt, form = _one(optimizers), _form(options, cpu_offload, rank0_only, loading=False)
@@ -220,7 +219,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
                              options=None) -> None:
     """Load a full or sharded optimizer state dict: owners take their momentum, FSDP2
     shards their slice of AdamW's state, groups their hyperparameters."""
-    opt, form = _one(optimizers), _form(options, None, None, loading=True)
+    opt, form = _one(optimizers), _form(options, True, True, loading=True)
     if not form.full:
         checkpoint.load_optimizer_share(model, opt, optim_state_dict)
         return
