@@ -5,10 +5,11 @@ plan alone, so a 70B layout can be costed on a laptop.
 Per step, rank (r, s) of an R x N layout moves, with P the Muon-target elements:
 - shard: all-gather (N-1)/N x P x param bytes in forward, again in backward under Z3,
   reduce-scatter (N-1)/N x P x reduce bytes, and one all-reduce 2(N-1)/N x 4 bytes per
-  unit (which units got a gradient anywhere);
+  flag: one per unit (which units got a gradient anywhere), one per rank and one more
+  (which ranks' gradients were not finite);
 - replicate (R > 1): reduce-scatter (R-1)/R x C_s x reduce bytes and, after the step,
   all-gather (R-1)/R x C_s x param bytes, C_s the elements of its shard column; the
-  same 4-byte-per-unit all-reduce.
+  same all-reduce of flags.
 """
 
 from __future__ import annotations
@@ -17,7 +18,12 @@ from fractions import Fraction
 
 from .partition import DedicationPlan
 
-PRESENCE_BYTES = 4  # one fp32 flag per unit
+PRESENCE_BYTES = 4  # one fp32 flag
+
+
+def presence_flags(plan: DedicationPlan) -> int:
+    """Flags in the step's all-reduce: per unit, per rank, and FSDP2's."""
+    return len(plan.params) + plan.world_size + 1
 
 
 def _exact(value: Fraction) -> int | float:
@@ -35,17 +41,17 @@ def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
                       reduce_bytes: int) -> dict[str, dict[str, int | float]]:
     """``{dim: {phase: bytes}}`` of one training step on ``rank``."""
     n, r = plan.shard_size, plan.replicate_size
-    p_m, units = plan.total_elements, len(plan.params)
+    p_m, flags = plan.total_elements, presence_flags(plan)
     share = Fraction(n - 1, n)
     shard = {"forward": share * p_m * param_bytes, "reduce": share * p_m * reduce_bytes,
-             "step": 2 * share * units * PRESENCE_BYTES}
+             "step": 2 * share * flags * PRESENCE_BYTES}
     if z3:
         shard["backward"] = shard["forward"]
     out = {"shard": {k: _exact(v) for k, v in shard.items()}}
     column = column_elements(plan)[rank % n]
     if r > 1:
         share = Fraction(r - 1, r)
-        repl = {"step": 2 * share * units * PRESENCE_BYTES}
+        repl = {"step": 2 * share * flags * PRESENCE_BYTES}
         if column:
             repl.update(reduce=share * column * reduce_bytes,
                         replicate=share * column * param_bytes)

@@ -236,7 +236,7 @@ class DMuonState:
         landed before it is yielded, so the owner can work on it while later ones are
         still on the wire."""
         self.end_backward()
-        self.reduce.prepare_step()
+        self.reduce.prepare_step(self._fsdp2_nonfinite())
         for b in reversed(self.boundaries):
             self.reduce.land(b)
             yield b
@@ -253,6 +253,17 @@ class DMuonState:
         model = self.model()
         if model is not None:
             _drop_fsdp2_unreduced_gradients(model)
+
+    def fsdp2_gradients(self) -> list[torch.Tensor]:
+        """This rank's FSDP2 gradient shards (local tensors)."""
+        model = self.model()
+        grads = [p.grad for p in model.parameters() if not is_dedicated(p)
+                 and p.grad is not None] if model is not None else []
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+    def _fsdp2_nonfinite(self) -> torch.Tensor | None:
+        finite = [g.sum().isfinite() for g in self.fsdp2_gradients()]
+        return (~torch.stack(finite).all()).float() if finite else None
 
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:

@@ -111,7 +111,10 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay``, ``nesterov``, ``ns_*``, ``eps``, ``adjust_lr_fn``) or other params
     (``torch.optim.AdamW`` on FSDP2 shards; its keys ``lr``, ``betas``, ``eps``,
     ``weight_decay`` override the ``adamw_*`` defaults). Every group carries its own
-    ``lr``, so LR schedulers scale them together. NS defaults to Gram NS with one restart
+    ``lr``, so LR schedulers scale them together. A step whose gradients are not finite
+    on some rank (``nonfinite_ranks`` names them, ``skipped_steps`` counts) is skipped
+    on every rank with its gradients dropped (``skip_nonfinite=False`` applies it).
+    NS defaults to Gram NS with one restart
     in ``ns_dtype`` (default: fp16 on CUDA, the gradient's precision on the CPU;
     ``ns_gram_dtype`` raises the m x m iteration's precision); ``ns_backend="standard"``
     (or the reference's ``"direct"``)
@@ -138,6 +141,7 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.0,
         replicate_async: bool = True,
         param_groups: list[dict] | None = None,
+        skip_nonfinite: bool = True,
     ) -> None:
         muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                              weight_decay=weight_decay, ns_steps=ns_steps,
@@ -158,6 +162,9 @@ class Muon(torch.optim.Optimizer):
         user_groups, self._state = _user_groups(params)
         self._state.check_dedicated()
         self.replicate_async = replicate_async
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0  # steps skipped for a non-finite gradient
+        self.nonfinite_ranks: list = []  # the last step's: ranks, or ["fsdp2"]
         members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
         self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
         super().__init__(self._groups(user_groups, muon_defaults, adamw_defaults), {})
@@ -228,13 +235,22 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        schedule, pending = self._schedule(), {}
-        for b in self._state.landing_order():
+        schedule, pending, skip = self._schedule(), {}, False
+        self.nonfinite_ranks = []
+        for i, b in enumerate(self._state.landing_order()):
+            if i == 0:  # the first landing waited for the flags every rank shares
+                self.nonfinite_ranks = self._state.reduce.nonfinite or []
+                skip = self.skip_nonfinite and bool(self.nonfinite_ranks)
+            if skip:
+                continue
             for group, p in schedule[id(b)]["params"]:
                 self._momentum_and_tp(group, p, pending)
             for key in schedule[id(b)]["batches"]:
                 self._orthogonalise(self.param_groups[key[0]], pending.pop(key, []))
-        if any(g["params"] for g in self._adamw.param_groups):
+        if skip:
+            self.skipped_steps += 1
+            self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
+        elif any(g["params"] for g in self._adamw.param_groups):
             self._adamw.step()
         self._state.after_step(self.replicate_async)
         self._state.ledger.close_step()

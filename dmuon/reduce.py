@@ -13,6 +13,10 @@ repeated backward passes accumulate as with FSDP2; ``no_sync`` instead keeps sum
 locally and reduces once. Whether any rank produced a gradient for a unit travels in one
 small all-reduce per step: a matrix no rank touched keeps ``grad = None`` and the
 optimizer skips it, as FSDP2 and ``torch.optim`` do for their own params.
+
+The same all-reduce carries one flag per rank, set when a gradient this rank reduced
+was not finite (its NaN or inf would reach every owner), and one for FSDP2's reduced
+shards: every rank learns the same set of ranks, so every rank skips the same steps.
 """
 
 from __future__ import annotations
@@ -39,7 +43,14 @@ class GradientReduce:
         self.ctx = ctx
         self.order = list(reversed(boundaries))  # backward order, identical on every rank
         self.sync = True
-        self.presence = torch.zeros(num_units, dtype=torch.float32, device=ctx.device)
+        self.num_units = num_units
+        self.rank = ctx.replicate_rank * ctx.shard_size + ctx.shard_rank
+        world = ctx.shard_size * ctx.replicate_size
+        # per unit: a gradient somewhere; per rank: a non-finite local gradient; last:
+        # a non-finite FSDP2 shard
+        self.presence = torch.zeros(num_units + world + 1, dtype=torch.float32,
+                                    device=ctx.device)
+        self.nonfinite: list | None = None  # this step's flagged ranks, once known
         self._ready: set[int] = set()
         self._next = 0
         self._in_flight: list[InFlight] = []
@@ -93,6 +104,9 @@ class GradientReduce:
     def _issue(self, b: Boundary) -> None:
         ctx, flat = self.ctx, b.take_gradient()
         self._finished = False
+        # the sum of a gradient is finite exactly when its elements are (no overflow at
+        # gradient scale): one reduction kernel, no host sync
+        self.presence[self.num_units + self.rank] += (~flat.sum().isfinite()).float()
         out = torch.empty(b.column_sizes[ctx.shard_rank], dtype=flat.dtype, device=flat.device)
         with ctx.streams.issuing("reduce"):
             work = comm.reduce_scatter_v(out, flat, b.column_sizes, ctx.reduce_group,
@@ -126,12 +140,15 @@ class GradientReduce:
                                       on_stream=ctx.streams.cuda)
 
     # -- at the step -----------------------------------------------------------------
-    def prepare_step(self) -> None:
+    def prepare_step(self, fsdp2_nonfinite: torch.Tensor | None = None) -> None:
         """The backward is over: every reduce issued, and the presence of gradients on
-        its way (on groups no reduce is queued on, so it does not wait for them)."""
+        its way (on groups no reduce is queued on, so it does not wait for them), with
+        whether FSDP2's reduced shards here hold a non-finite value."""
         self.end_backward()
         if self._finished or self._presence is not None:
             return
+        if fsdp2_nonfinite is not None:
+            self.presence[-1] += fsdp2_nonfinite
         ctx = self.ctx
         self._presence = [(self.presence, ctx.shard_group, "shard")]
         if ctx.replicate_size > 1:
@@ -146,6 +163,10 @@ class GradientReduce:
             for tensor, group, dim in self._presence[1:]:
                 comm.wait(comm.all_reduce_sum(tensor, group, self.ctx.ledger, dim, "step"))
             self._present_units = self.presence.tolist()
+            world = len(self._present_units) - self.num_units - 1
+            flags = self._present_units[self.num_units:]
+            self.nonfinite = [r for r in range(world) if flags[r]] or \
+                (["fsdp2"] if flags[-1] else [])
         return self._present_units
 
     def land(self, b: Boundary) -> None:
@@ -190,6 +211,7 @@ class GradientReduce:
         self.close_step()
 
     def close_step(self) -> None:
+        self.nonfinite = None
         if not self._finished:
             self.presence.zero_()
         self._finished, self._presence, self._present_units = True, None, None

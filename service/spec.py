@@ -51,7 +51,7 @@ class OptimizerSpec(_Strict):
     nesterov: bool = True
     weight_decay: float = Field(0.0, ge=0)
     ns_steps: int = Field(5, ge=1, le=99)
-    ns_backend: Literal["gram", "standard"] = "gram"
+    ns_backend: Literal["gram", "standard", "direct"] = "gram"
     ns_coefficients: either(lambda v: "named" if isinstance(v, str) else "abc",
                             named=Literal["quintic", "polar_express"],
                             abc=Coefficients) = "quintic"
@@ -66,6 +66,8 @@ class OptimizerSpec(_Strict):
     adamw_eps: float = Field(1e-8, gt=0)
     adamw_weight_decay: float = Field(0.0, ge=0)
     replicate_async: bool = True
+    skip_nonfinite: bool = Field(True, description="skip a step whose gradients are not "
+                                 "finite on some rank, on every rank alike")
 
 
 class LayoutSpec(_Strict):

@@ -69,10 +69,11 @@ def test_replicate_bytes_per_column_and_one_ns_per_matrix():
         assert replicate == 2 * (R - 1) * column[s] * ELT / R
         shard = {p: ledger["shard"][p] for p in ("forward", "backward", "reduce")}
         assert sum(shard.values()) == 3 * (N - 1) * p_m * ELT / N
-        # one fp32 all-reduce per dim of which units got a gradient anywhere
-        units = len(plan.params)
-        assert ledger["shard"]["step"] == 2 * (N - 1) * units * 4 / N
-        assert ledger["replicate"]["step"] == 2 * (R - 1) * units * 4 / R
+        # one fp32 all-reduce per dim of flags: which units got a gradient anywhere,
+        # which ranks' gradients were not finite (one per rank, one for FSDP2's)
+        flags = len(plan.params) + R * N + 1
+        assert ledger["shard"]["step"] == 2 * (N - 1) * flags * 4 / N
+        assert ledger["replicate"]["step"] == 2 * (R - 1) * flags * 4 / R
     # NS once per matrix over all R x N ranks: every matrix has exactly one owner slot
     owners = [a.owner for a in plan.params.values()]
     assert sorted(set(owners)) == list(range(R * N))

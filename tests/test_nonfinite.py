@@ -1,0 +1,53 @@
+"""A non-finite gradient on one rank skips that step on every rank alike: 4 gloo ranks,
+float64, Z2, Z3 and HSDP 2x2. Rank 2's loss turns NaN (or inf) at the chosen steps; the
+run must end ``torch.equal`` to one that never saw those batches, name rank 2 and count
+the skips on every rank, and issue the same collectives as ever (no hang, no mismatch).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _train import build_dmuon, global_batches, local_rows, loss_of
+
+import dmuon
+from service.local import run
+
+STEPS, BAD = 6, {2: float("nan"), 4: float("inf")}
+LAYOUTS = {"z2": ((1, 4), False), "z3": ((1, 4), True), "hsdp2x2": ((2, 2), True)}
+
+
+def _train(rank, world, layout, z3, *, inject: bool):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", layout, mesh_dim_names=("replicate", "shard"))
+    model, opt = build_dmuon(mesh["shard"], z3, replicate_mesh=mesh["replicate"],
+                             fsdp_mesh=mesh)
+    flagged = []
+    for step, batch in enumerate(global_batches(STEPS)):
+        if step in BAD and not inject:
+            continue  # the run that never saw those batches
+        loss = loss_of(model, local_rows(batch, rank, world))
+        if step in BAD and rank == 2:
+            loss = loss * BAD[step]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        flagged.append(list(opt.nonfinite_ranks))
+    return {"final": dmuon.full_state_dict(model), "flagged": flagged,
+            "skipped": opt.skipped_steps}
+
+
+def _both(rank, world, layout, z3):
+    return _train(rank, world, layout, z3, inject=True), \
+        _train(rank, world, layout, z3, inject=False)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_a_nonfinite_step_on_one_rank_is_skipped_on_every_rank(name):
+    layout, z3 = LAYOUTS[name]
+    for rank, (injected, clean) in enumerate(run(_both, layout, z3, world_size=4)):
+        assert injected["skipped"] == len(BAD) and clean["skipped"] == 0, rank
+        assert injected["flagged"] == [[2] if s in BAD else [] for s in range(STEPS)], rank
+        for key, value in clean["final"].items():
+            assert torch.equal(injected["final"][key], value), (name, rank, key)
