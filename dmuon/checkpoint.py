@@ -23,14 +23,11 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .dedicate import get_state
-from .state_dict import allow_raw_state_dict, canonical_fqn, units_by_key
+from .fqn import canonical_fqn, param_names
+from .state_dict import raw_state_dict, units_by_key
 
 MANIFEST = "dmuon_manifest.json"
 _GROUP_KEYS_SKIPPED = ("params",)
-
-
-def _param_fqns(model: nn.Module) -> dict[int, str]:
-    return {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
 
 
 def ensure_optimizer_state(optimizer) -> None:
@@ -66,8 +63,7 @@ def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]
 
 
 def _global_model_keys(model: nn.Module) -> set[str]:
-    with allow_raw_state_dict():
-        raw = model.state_dict()
+    raw = raw_state_dict(model)
     plan = get_state(model).plan
     units_of, keys = units_by_key(plan), set()
     for key in raw:
@@ -90,8 +86,7 @@ def model_share(model: nn.Module) -> dict:
     as the masters (fp32 under mixed precision); everything else as FSDP2 DTensors."""
     state = get_state(model)
     state.drain()
-    with allow_raw_state_dict():
-        raw = model.state_dict()
+    raw = raw_state_dict(model)
     column_owned = {m.fqn: _tp_wrapped(b.masters[m.fqn], m.tp)
                     for b in state.boundaries for m in b.owned}
     units_of = units_by_key(state.plan)
@@ -111,7 +106,7 @@ def optimizer_share(model: nn.Module, optimizer) -> dict:
     state = get_state(model)
     tp_of = {m.fqn: m.tp for b in state.boundaries for m in b.members if m.tp is not None}
     ensure_optimizer_state(optimizer)
-    names = _param_fqns(model)
+    names = param_names(model)
     names.update({id(own): fqn for fqn, own in state.owned_params.items()})
     optim_state = {}
     for p, s in optimizer.state.items():

@@ -18,6 +18,7 @@ from torch import nn
 
 from . import comm
 from .buffers import Boundary, Member
+from .fqn import canonical_fqn, params_by_name
 from .hooks import BoundaryHooks
 from .partition import DedicationPlan, partition
 from .reduce import GradientReduce
@@ -131,10 +132,11 @@ class DMuonState:
         model = self.model()
         if model is None:
             return
+        now = params_by_name(model)
         for b in self.boundaries:
             for m in b.members:
                 fqn = self.plan.params[m.fqn].param
-                if model.get_parameter(fqn) is not m.param:
+                if now.get(canonical_fqn(fqn)) is not m.param:
                     raise RuntimeError(
                         f"'{fqn}' is dedicated to DMuon, but FSDP2 sharded it: that "
                         "fully_shard was imported before `import dmuon`, so it does not skip "
@@ -324,8 +326,8 @@ def get_plan(model: nn.Module) -> DedicationPlan:
 
 def get_dedicated_params(model: nn.Module) -> list[nn.Parameter]:
     """Every dedicated param of ``model`` (the module's own placeholders), in plan order."""
-    state = get_state(model)
-    return [model.get_parameter(fqn) for fqn in state.plan.param_fqns]
+    now = params_by_name(model)
+    return [now[canonical_fqn(fqn)] for fqn in get_state(model).plan.param_fqns]
 
 
 def get_owned_params(model: nn.Module, rank) -> list[nn.Parameter]:

@@ -60,6 +60,10 @@ class BoundaryHooks:
                 self._hooked.add(id(p))
 
     # -- forward -----------------------------------------------------------------------
+    # Both forward hooks run eagerly under torch.compile: ``block.compile()`` compiles the
+    # module's call, hooks included, and these issue collectives and resize storage. The
+    # compiled region then breaks at the boundary only, as it does for FSDP2's hooks.
+    @torch.compiler.disable
     def _pre_forward(self, module, args, kwargs):
         b, state = self.boundary, self.state
         recompute = state.in_backward
@@ -103,6 +107,7 @@ class BoundaryHooks:
             flat[i] = t
         return tree_unflatten(flat, spec)
 
+    @torch.compiler.disable
     def _post_forward(self, module, args, output):
         state, b = self.state, self.boundary
         if not state.in_backward and state.reshard_after_forward:

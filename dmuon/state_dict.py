@@ -11,18 +11,9 @@ from torch import nn
 
 from . import comm
 from .dedicate import get_state
+from .fqn import canonical_fqn
 
 _guard = threading.local()
-# Wrapper modules whose name state dicts leave out, as torch.distributed.checkpoint's
-# state_dict helpers do (activation checkpointing's wrapper, torch.compile's).
-_WRAPPER_SEGMENTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical_fqn(name: str) -> str:
-    """A module-path name as ``state_dict`` keys spell it."""
-    for segment in _WRAPPER_SEGMENTS:
-        name = name.replace(segment, "")
-    return name
 
 
 def units_by_key(plan) -> dict[str, list[str]]:
@@ -38,6 +29,14 @@ def allow_raw_state_dict():
         yield
     finally:
         _guard.allowed = prev
+
+
+def raw_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` past the guard, keyed by canonical FQN (a compiled block's
+    ``_orig_mod.`` left out, as torch.distributed.checkpoint's helpers do), so that its
+    dedicated entries, DMuon's placeholders, are found by name and never read."""
+    with allow_raw_state_dict():
+        return {canonical_fqn(k): v for k, v in model.state_dict().items()}
 
 
 def install_state_dict_guard(model: nn.Module, plan) -> None:
@@ -104,8 +103,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """
     state = get_state(model)
     state.drain()
-    with allow_raw_state_dict():
-        raw = model.state_dict()
+    raw = raw_state_dict(model)
     owned_values = full_owned(state, lambda b, unit: b.masters[unit])
     full: dict[str, torch.Tensor] = {}
     for key, value in raw.items():

@@ -26,8 +26,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import checkpoint
 from .dedicate import get_state
+from .fqn import canonical_fqn, param_names
 from .init import local_part
-from .state_dict import allow_raw_state_dict, canonical_fqn, full_owned, full_state_dict
+from .state_dict import full_owned, full_state_dict, raw_state_dict
 
 _UNSUPPORTED = {"keep_submodule_prefixes": True, "flatten_optimizer_state_dict": False,
                 "dsd_fqn_modifiers": "_fqn_modifiers"}
@@ -137,8 +138,7 @@ def _unit_part(m, full: torch.Tensor, device) -> torch.Tensor:
 @torch.no_grad()
 def _load_full(model: nn.Module, sd: dict, form: _Form) -> _IncompatibleKeys:
     state = get_state(model)
-    with allow_raw_state_dict():
-        targets = model.state_dict()
+    targets = raw_state_dict(model)
     columns: dict[str, list] = {}
     for b in state.boundaries:
         for m in b.column:
@@ -184,7 +184,7 @@ def _one(optimizers):
 def _group_names(model: nn.Module, opt) -> list[list[str]]:
     """Each param group's param FQNs over every rank (Muon groups hold this rank's
     masters only)."""
-    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    names = param_names(model)
     names.update({id(t): canonical_fqn(get_state(model).plan.params[u].param)
                   for u, t in get_state(model).owned_params.items()})
     mine = [sorted({names[id(p)] for p in g["params"]}) for g in opt.param_groups]
@@ -204,7 +204,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None,
     state = get_state(model)
     momentum = full_owned(state, lambda b, fqn: opt.state[b.masters[fqn]]["momentum_buffer"])
     out = {key: {"momentum_buffer": value} for key, value in momentum.items()}
-    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    names = param_names(model)
     for group in opt.param_groups:
         for p in group["params"] if group["kind"] == "adamw" else ():
             out[names[id(p)]] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
@@ -225,7 +225,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
         return
     checkpoint.ensure_optimizer_state(opt)
     state, saved = get_state(model), optim_state_dict["state"]
-    names = {id(p): canonical_fqn(n) for n, p in model.named_parameters()}
+    names = param_names(model)
     targets = [(b.masters[m.fqn], m, canonical_fqn(state.plan.params[m.fqn].param))
                for b in state.boundaries for m in b.owned]
     adamw = [(p, None, names[id(p)]) for g in opt.param_groups if g["kind"] == "adamw"
