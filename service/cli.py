@@ -1,175 +1,263 @@
-"""``dmuon-svc``: the control plane from a terminal.
+"""dmuon-svc: the control plane from a terminal (click).
 
     dmuon-svc submit job.yaml [--follow] [--dry-run] [--working-dir DIR|gcs://...zip]
-    dmuon-svc status [JOB_ID]
+    dmuon-svc status [JOB_ID] [--json]
     dmuon-svc logs [-f] JOB_ID
     dmuon-svc cancel JOB_ID
-    dmuon-svc plan job.yaml
+    dmuon-svc plan job.yaml [--json]
     dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
     dmuon-svc prepare --tokenizer tokenizer.json --out DIR FILES...   (local, no service)
 
-A spec file is YAML (``.yaml``, ``.yml``), JSON (``.json``) or TOML (``.toml``), by its
-extension; one that does not parse is refused with its line and column, exit code 2. The
-service is at ``DMUON_URL`` (default http://127.0.0.1:8000); ``DMUON_API_TOKEN`` is sent
-as the bearer token.
+Command output (job ids, statuses, tables, JSON) goes to stdout; diagnostics (phases,
+progress, warnings, errors) go to stderr through ``logging``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
+import logging
 import sys
 import time
 
-import requests
+import click
 
+from .cli_http import DEFAULT_URL, ServiceError, request
+from .cli_output import failure_line, plan_text, reason_details, setup_logging
+from .cli_progress import follow
 from .packages import RAY_URI, PackageError, zip_directory
 from .spec import SpecError, load_spec
 from .spec_files import SpecFileError
 from .train.prepare import add_arguments as prepare_args
 from .train.prepare import run as run_prepare
 
-
-class ServiceError(RuntimeError):
-    pass
-
-
-def request(method: str, path: str, body=None, *, stream=False, data=None, content_type=None):
-    """The service's answer (parsed JSON, or text), or the open response with
-    ``stream``; ``DMUON_API_TOKEN`` goes as the bearer token."""
-    url = os.environ.get("DMUON_URL", "http://127.0.0.1:8000").rstrip("/") + path
-    token = os.environ.get("DMUON_API_TOKEN")
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    if content_type:
-        headers["Content-Type"] = content_type
-    try:
-        resp = requests.request(method, url, json=body, data=data, headers=headers,
-                                stream=stream,
-                                timeout=(10, None if stream else 60))
-    except requests.RequestException as e:
-        raise ServiceError(f"cannot reach {url}: {e}") from None
-    if resp.status_code >= 400:
-        raise ServiceError(f"{resp.status_code} {resp.reason}: {resp.text[:2000]}")
-    if stream:
-        return resp
-    try:
-        return resp.json()
-    except ValueError:
-        return resp.text
+__all__ = ["ServiceError", "follow", "main", "request"]
+log = logging.getLogger("service.cli")
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+ENV = ("\b\nEnvironment:\n"
+       f"  DMUON_URL        the control plane's address (default {DEFAULT_URL})\n"
+       "  DMUON_API_TOKEN  sent as the bearer token (unset: no Authorization header)")
+SPEC_FILES = ("SPEC_FILE is YAML (.yaml, .yml), JSON (.json) or TOML (.toml), by its "
+              "extension; a file that does not parse is refused with its line and column, "
+              "exit code 2.")
 
 
-def follow(job_id: str, total_steps: int, out=sys.stdout) -> str:
-    """Progress line (step, loss, ETA) from the event stream; returns the final status.
-    The ETA is the pace since the first step seen, so start-up time does not skew it."""
-    status, first = "PENDING", None
-    with request("GET", f"/v1/jobs/{job_id}/events", stream=True) as resp:
-        event = None
-        for line in resp.iter_lines(decode_unicode=True):
-            if line.startswith("event: "):
-                event = line[7:]
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if event == "status":
-                    status = data["status"]
-                elif data.get("rank") == 0:
-                    step, now = data["step"], time.time()
-                    first = first or (step, now)
-                    pace = (now - first[1]) / (step - first[0]) if step > first[0] else 0
-                    bar = "#" * int(30 * step / total_steps)
-                    out.write(f"\r[{bar:<30}] step {step}/{total_steps} "
-                              f"loss {data['loss']:.4f} ETA {pace * (total_steps - step):5.0f}s")
-                    out.flush()
-    out.write(f"\n{job_id}: {status}\n")
-    return status
+@click.group(context_settings=CONTEXT, epilog=ENV)
+@click.option("-v", "--verbose", is_flag=True, help="Also print debug diagnostics.")
+@click.option("-q", "--quiet", is_flag=True,
+              help="Print only warnings and errors on stderr (no phase or step lines).")
+def app(verbose: bool, quiet: bool) -> None:
+    """Submit, follow and inspect dmuon training jobs on the control plane.
+
+    Command output (job ids, statuses, tables, JSON) goes to stdout; diagnostics
+    (start-up phases, progress, warnings, errors) to stderr.
+
+    \b
+    Exit codes:
+      0  done (with --follow: the job SUCCEEDED)
+      1  the service refused or could not be reached, or the job did not succeed
+      2  a usage error, or a spec file that does not parse
+    """
+    setup_logging(logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="dmuon-svc", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("submit")
-    p.add_argument("spec")
-    p.add_argument("--follow", action="store_true")
-    p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--working-dir", default=None,
-                   help="a directory to upload with the job (its code), or a Ray package URI")
-    sub.add_parser("status").add_argument("job_id", nargs="?")
-    p = sub.add_parser("export")
-    p.add_argument("job_id")
-    p.add_argument("--no-wait", action="store_true")
-    prepare_args(sub.add_parser("prepare", help="tokenize text/JSONL into token shards"))
-    p = sub.add_parser("logs")
-    p.add_argument("job_id")
-    p.add_argument("-f", "--follow", action="store_true")
-    sub.add_parser("cancel").add_argument("job_id")
-    sub.add_parser("plan").add_argument("spec")
-    args = ap.parse_args(argv)
-    try:
-        return _run(args)
-    except SpecFileError as e:  # a spec file that does not parse: a usage error
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (ServiceError, SpecError, PackageError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+def _spec(path: str, working_dir: str | None = None) -> dict:
+    spec = load_spec(path).model_dump(mode="json")
+    if working_dir:
+        spec["working_dir"] = upload_working_dir(working_dir)
+    return spec
 
 
-def working_dir(reference: str) -> str:
+def upload_working_dir(reference: str) -> str:
     """An uploaded package id for a local directory; a Ray URI as it is."""
     if RAY_URI.match(reference):
         return reference
+    log.info("uploading %s ...", reference)
     answer = request("POST", "/v1/packages", data=zip_directory(reference),
                      content_type="application/zip")
     return answer["id"]
 
 
-def export(job_id: str, wait: bool, poll_s: float = 1.0) -> int:
+@app.command(epilog=ENV, short_help="Submit a job spec; print its id (--follow: to its end).")
+@click.argument("spec_file")
+@click.option("--follow", "follow_job", is_flag=True,
+              help="Show the start-up phases, then a progress bar (step, loss, ETA) until "
+                   "the job ends; the exit code is 0 only if it SUCCEEDED, and a failed "
+                   "job's reason is printed.")
+@click.option("--dry-run", is_flag=True,
+              help="Plan and store the job without running it.")
+@click.option("--working-dir", metavar="DIR|URI",
+              help="A directory to upload with the job (a factory model's code), or a Ray "
+                   "package URI (gcs://..., s3://..., https://... ending in .zip).")
+def submit(spec_file: str, follow_job: bool, dry_run: bool, working_dir: str | None) -> int:
+    """Submit the job SPEC_FILE describes; print its id.
+
+    {spec_files}
+    """
+    spec = _spec(spec_file, working_dir)
+    job = request("POST", "/v1/jobs", {"spec": spec, "dry_run": dry_run})
+    click.echo(job["id"])
+    if follow_job:
+        return 0 if follow(job["id"], spec["steps"]) == "SUCCEEDED" else 1
+    return 0
+
+
+@app.command(epilog=ENV, short_help="List the jobs, or show one, with why a job failed.")
+@click.argument("job_id", required=False)
+@click.option("--json", "as_json", is_flag=True, help="Print the service's JSON instead.")
+def status(job_id: str | None, as_json: bool) -> int:
+    """One job (JOB_ID) with its status, or every job: id, status, name.
+
+    A failed job's reason (exception type, message, rank and step), when the service
+    gives one, follows its line; for one job, with its last frames.
+    """
+    jobs = request("GET", f"/v1/jobs/{job_id}" if job_id else "/v1/jobs")
+    if as_json:
+        click.echo(json.dumps(jobs, indent=2))
+        return 0
+    for job in jobs if isinstance(jobs, list) else [jobs]:
+        click.echo(f"{job['id']}  {job['status']:<9}  {job['name']}")
+        failed = failure_line(job)
+        if failed:
+            click.echo(f"  {failed}")
+            for line in reason_details(job) if job_id else []:
+                click.echo(line)
+    return 0
+
+
+@app.command(epilog=ENV, short_help="Print or stream a job's driver output.")
+@click.argument("job_id")
+@click.option("-f", "--follow", "stream", is_flag=True,
+              help="Stream the output until the job ends.")
+def logs(job_id: str, stream: bool) -> int:
+    """The job's driver output (Ray's job logs) for JOB_ID."""
+    if not stream:
+        sys.stdout.write(request("GET", f"/v1/jobs/{job_id}/logs"))
+        return 0
+    with request("GET", f"/v1/jobs/{job_id}/logs?follow=true", stream=True) as resp:
+        for chunk in resp.iter_content(chunk_size=None):
+            sys.stdout.write(chunk.decode(errors="replace"))
+            sys.stdout.flush()
+    return 0
+
+
+@app.command(epilog=ENV, short_help="Stop a queued or running job.")
+@click.argument("job_id")
+def cancel(job_id: str) -> int:
+    """Cancel JOB_ID (queued or running: it becomes STOPPED); print its status."""
+    click.echo(request("POST", f"/v1/jobs/{job_id}/cancel")["status"])
+    return 0
+
+
+@app.command(epilog=ENV, short_help="The layout, mode and per-rank predictions of a spec.")
+@click.argument("spec_file")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print the plan document (layout, inventory, modes, per-rank "
+                   "predictions, partition) as JSON instead of tables.")
+def plan(spec_file: str, as_json: bool) -> int:
+    """Plan SPEC_FILE without a job: the layout, the mode and why, and per rank the
+    owned Muon elements, Newton-Schulz FLOPs, bytes held by kind and bytes sent per
+    step by mesh dim and phase.
+
+    {spec_files}
+    """
+    answer = request("POST", "/v1/plan", _spec(spec_file))
+    click.echo(json.dumps(answer) if as_json else plan_text(answer))
+    return 0
+
+
+@app.command(epilog=ENV, short_help="Export a job's newest checkpoint as safetensors.")
+@click.argument("job_id")
+@click.option("--no-wait", is_flag=True, help="Print the export directory and return "
+                                              "without waiting for the export job.")
+def export(job_id: str, no_wait: bool) -> int:
+    """Export an ended job's newest checkpoint (sharded safetensors + config.json) by a
+    Ray job of its own; print the export directory, then wait for it to end."""
+    return export_job(job_id, not no_wait)
+
+
+def export_job(job_id: str, wait: bool, poll_s: float = 1.0) -> int:
     answer = request("POST", f"/v1/jobs/{job_id}/export")
-    print(answer["path"])
+    click.echo(answer["path"])
     status = None
     while wait and status not in ("SUCCEEDED", "FAILED", "STOPPED"):
         time.sleep(poll_s)
         status = request("GET", f"/v1/jobs/{job_id}/export?submission_id="
                                 f"{answer['submission_id']}")["status"]
     if wait and status != "SUCCEEDED":
-        print(f"export {answer['submission_id']}: {status}", file=sys.stderr)
+        log.error("export %s: %s", answer["submission_id"], status)
     return 0 if not wait or status == "SUCCEEDED" else 1
 
 
-def _run(args) -> int:
-    if args.cmd == "prepare":
-        return run_prepare(args)
-    if args.cmd == "export":
-        return export(args.job_id, not args.no_wait)
-    if args.cmd in ("submit", "plan"):
-        spec = load_spec(args.spec).model_dump(mode="json")
-        if getattr(args, "working_dir", None):
-            spec["working_dir"] = working_dir(args.working_dir)
-        if args.cmd == "plan":
-            print(json.dumps(request("POST", "/v1/plan", spec)["layout"]))
-            return 0
-        job = request("POST", "/v1/jobs", {"spec": spec, "dry_run": args.dry_run})
-        print(job["id"])
-        if args.follow:
-            return 0 if follow(job["id"], spec["steps"]) == "SUCCEEDED" else 1
-        return 0
-    if args.cmd == "status":
-        path = f"/v1/jobs/{args.job_id}" if args.job_id else "/v1/jobs"
-        jobs = request("GET", path)
-        for job in jobs if isinstance(jobs, list) else [jobs]:
-            print(f"{job['id']}  {job['status']:<9}  {job['name']}")
-        return 0
-    if args.cmd == "cancel":
-        print(request("POST", f"/v1/jobs/{args.job_id}/cancel")["status"])
-        return 0
-    if not args.follow:  # logs
-        sys.stdout.write(request("GET", f"/v1/jobs/{args.job_id}/logs"))
-        return 0
-    with request("GET", f"/v1/jobs/{args.job_id}/logs?follow=true", stream=True) as resp:
-        for chunk in resp.iter_content(chunk_size=None):
-            sys.stdout.write(chunk.decode(errors="replace"))
-            sys.stdout.flush()
-    return 0
+for _command in (submit, plan):
+    _command.help = _command.help.format(spec_files=SPEC_FILES)
+
+
+# -- prepare: its options are service.train.prepare's (one definition for both entry points)
+PREPARE_HELP = {"shard_tokens": "At most this many tokens per shard file."}
+PREPARE_METAVAR = {"tokenizer": "FILE", "out": "DIR", "field": "NAME", "val_every": "K",
+                   "shard_tokens": "N"}
+PREPARE_ENV = ("\b\nEnvironment:\n"
+               "  RAY_ADDRESS  with --ray, the cluster Ray Data runs on (unset: Ray's default,\n"
+               "               a cluster started on this machine, else a new local one)")
+
+
+def _click_param(action: argparse.Action) -> click.Parameter:
+    """A click parameter for one of ``prepare``'s argparse arguments."""
+    if not action.option_strings:
+        return click.Argument([action.dest], nargs=-1 if action.nargs in ("+", "*") else 1,
+                              required=action.nargs != "*")
+    text = action.help or PREPARE_HELP[action.dest]
+    text = text[0].upper() + text[1:] + ("" if text.endswith(".") else ".")
+    if isinstance(action, argparse._StoreTrueAction):
+        return click.Option([action.dest, *action.option_strings], is_flag=True, help=text)
+    return click.Option([action.dest, *action.option_strings], type=action.type or str,
+                        default=action.default, required=action.required,
+                        show_default=not action.required, help=text,
+                        metavar=action.metavar or PREPARE_METAVAR.get(action.dest))
+
+
+def _prepare_command() -> click.Command:
+    parser = argparse.ArgumentParser(add_help=False)
+    prepare_args(parser)
+    actions = [a for a in parser._actions if a.dest != "help"]  # argparse's own list
+    inputs = [a for a in actions if not a.option_strings]
+    described = "; ".join(f"{a.dest.upper()}: {a.help}" for a in inputs)
+
+    def callback(**values) -> int:
+        values = {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+        return run_prepare(argparse.Namespace(**values))
+
+    return click.Command(
+        "prepare", callback=callback, params=[_click_param(a) for a in actions],
+        epilog=PREPARE_ENV, context_settings=CONTEXT,
+        short_help="Tokenize text or JSONL into token shards (local).",
+        help="Tokenize text or JSONL files into token shards for data.source, on this "
+             "machine (no service): train_NNNNNN.bin and val_NNNNNN.bin (llm.c's "
+             f"header) and meta.json under --out. {described}.")
+
+
+app.add_command(_prepare_command())
+
+
+def main(argv=None) -> int:
+    """The exit code: 0, 1 (the service or the job), 2 (usage, a spec file that does
+    not parse), 130 (interrupted)."""
+    setup_logging()
+    try:
+        return app.main(args=argv, prog_name="dmuon-svc", standalone_mode=False) or 0
+    except click.ClickException as e:  # usage errors: 2
+        e.show()
+        return e.exit_code
+    except click.Abort:  # Ctrl-C
+        log.error("interrupted (a submitted job goes on: dmuon-svc cancel JOB_ID stops it)")
+        return 130
+    except SpecFileError as e:  # a spec file that does not parse: a usage error
+        log.error("%s", e)
+        return 2
+    except (ServiceError, SpecError, PackageError, OSError) as e:
+        log.error("%s", e)
+        return 1
 
 
 if __name__ == "__main__":

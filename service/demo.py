@@ -1,14 +1,16 @@
 """``make demo``: the control plane with its local Ray head, and the default job on it.
 
 Starts ``dmuon-serve`` on 127.0.0.1 (which starts a Ray head on 127.0.0.1), submits the
-default job (the built-in model on 4 CPU workers, HSDP 2 x 2) over REST, prints the
-dashboard URL and follows the job with a progress line. It then keeps serving until
+default job (the built-in model on 4 CPU workers, HSDP 2 x 2) over REST, logs the
+dashboard URL and follows the job as ``dmuon-svc submit --follow`` does (its start-up
+phases, then a tqdm bar of steps; messages on stderr). It then keeps serving until
 Ctrl-C; with ``DEMO_EXIT_ON_FINISH=1`` it exits when the job ends (0 if it succeeded).
 On exit it stops the service and the Ray head it started, by PID.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -19,7 +21,10 @@ import time
 
 from . import cli
 from .api.serve import wait_healthy
+from .cli_output import setup_logging
 from .local_ray import free_port, stop_recorded
+
+log = logging.getLogger("service.demo")
 
 DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
                "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
@@ -41,8 +46,8 @@ def _print_latency(records: list[dict]) -> None:
     under 2 s."""
     lag = sorted(r["received"] - r["time"] for r in records if "received" in r)
     if lag:
-        print(f"metrics latency over {len(lag)} records: p50 {lag[len(lag) // 2]:.2f} s, "
-              f"max {lag[-1]:.2f} s", flush=True)
+        log.info("metrics latency over %d records: p50 %.2f s, max %.2f s", len(lag),
+                 lag[len(lag) // 2], lag[-1])
 
 
 def _interrupt(signum, frame):
@@ -50,6 +55,7 @@ def _interrupt(signum, frame):
 
 
 def main() -> int:
+    setup_logging(names=("service.cli", "service.demo"))
     signal.signal(signal.SIGTERM, _interrupt)  # clean up as on Ctrl-C
     root = os.path.abspath(os.environ.get("DEMO_DIR", "demo_runs"))
     port = _port(int(os.environ.get("DEMO_PORT", "8000")))
@@ -61,23 +67,24 @@ def main() -> int:
     env.pop("RAY_ADDRESS", None)
     os.makedirs(root, exist_ok=True)
     os.environ.update(DMUON_URL=url, DMUON_API_TOKEN=env["DMUON_API_TOKEN"])
-    print(f"starting the control plane and a local Ray head (storage {root}) ...", flush=True)
+    log.info("starting the control plane and a local Ray head (storage %s) ...", root)
     service = subprocess.Popen([sys.executable, "-m", "service.api.serve"], env=env,
                                start_new_session=True)
     try:
         wait_healthy(url, service)
         job = cli.request("POST", "/v1/jobs", {"spec": DEFAULT_JOB})
-        print(f"submitted {job['id']}: {DEFAULT_JOB['model']} model, HSDP 2 x 2 on 4 CPU "
-              f"workers, {DEFAULT_JOB['steps']} steps")
-        print(f"dashboard: {url}/#job={job['id']}   (API token {env['DMUON_API_TOKEN']})",
-              flush=True)
+        log.info("submitted %s: %s model, HSDP 2 x 2 on 4 CPU workers, %d steps", job["id"],
+                 DEFAULT_JOB["model"], DEFAULT_JOB["steps"])
+        log.info("dashboard: %s/#job=%s   (API token %s)", url, job["id"],
+                 env["DMUON_API_TOKEN"])
         status = cli.follow(job["id"], DEFAULT_JOB["steps"])
         _print_latency(cli.request("GET", f"/v1/jobs/{job['id']}/metrics"))
         if status != "SUCCEEDED":
-            print(cli.request("GET", f"/v1/jobs/{job['id']}/logs")[-4000:], file=sys.stderr)
+            log.error("the job's output (its end):\n%s",
+                      cli.request("GET", f"/v1/jobs/{job['id']}/logs")[-4000:])
         if os.environ.get("DEMO_EXIT_ON_FINISH") == "1":
             return 0 if status == "SUCCEEDED" else 1
-        print(f"the dashboard stays at {url}; Ctrl-C stops the service and Ray", flush=True)
+        log.info("the dashboard stays at %s; Ctrl-C stops the service and Ray", url)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
@@ -89,7 +96,7 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             os.killpg(service.pid, signal.SIGKILL)
         stop_recorded(root)
-        print("stopped the service and its Ray head", flush=True)
+        log.info("stopped the service and its Ray head")
 
 
 if __name__ == "__main__":

@@ -403,7 +403,8 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int) ->
     params = sum(p.numel() for p in model.parameters())
     return decide(spec.dmuon, params=params, gpus=world, shard=shard,
                   device_bytes=device_bytes(spec, nodes, per_node), z2_bytes=totals[False],
-                  z3_bytes=totals[True], resident_pm=plan.total_elements * elt)
+                  z3_bytes=totals[True], resident_pm=plan.total_elements * elt,
+                  device="GPU" if spec.resources_per_worker.GPU else "CPU")
 
 
 def main(argv=None) -> None:
