@@ -53,8 +53,13 @@ from .compose import (
     install_fully_shard,
     replicate,
 )
-from .dedicate import (
-    dedicate_params,
+from .dedicate import dedicate_params
+from .grads import clip_grad_norm_, no_sync
+from .init import init_weights, materialize, unit_seed
+from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
+from .optim import Muon
+from .partition import Assignment, DedicationPlan, partition
+from .state import (
     get_dedicated_params,
     get_owned_params,
     get_plan,
@@ -62,11 +67,6 @@ from .dedicate import (
     ignored_params,
     wait_all_reduces,
 )
-from .grads import clip_grad_norm_, no_sync
-from .init import init_weights, materialize, unit_seed
-from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
-from .optim import Muon
-from .partition import Assignment, DedicationPlan, partition
 from .state_dict import full_state_dict
 from .state_dicts import (
     get_model_state_dict,

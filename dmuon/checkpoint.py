@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from .dedicate import get_state
 from .fqn import canonical_fqn, param_names
+from .state import get_state
 from .state_dict import raw_state_dict, units_by_key
 
 MANIFEST = "dmuon_manifest.json"

@@ -19,7 +19,8 @@ import functools
 
 from torch import nn
 
-from .dedicate import dedicate_params, is_dedicated
+from .dedicate import dedicate_params
+from .state import is_dedicated
 
 
 def _skipping_dedicated(fsdp_fully_shard):

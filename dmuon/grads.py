@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .dedicate import get_state, is_dedicated
+from .state import get_state, is_dedicated
 
 
 @contextlib.contextmanager

@@ -25,7 +25,8 @@ import hashlib
 import torch
 from torch import nn
 
-from .dedicate import get_state, is_dedicated, leave_meta
+from .dedicate import leave_meta
+from .state import get_state, is_dedicated
 
 
 def unit_seed(seed: int, fqn: str) -> int:

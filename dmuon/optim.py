@@ -7,8 +7,8 @@ import math
 import torch
 from torch import nn
 
-from .dedicate import DMuonState, get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
+from .state import DMuonState, get_state, is_dedicated
 from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -81,8 +81,15 @@ def named_groups(model: nn.Module, param_groups) -> list[dict]:
     return out
 
 
-def _user_groups(params) -> tuple[list[dict], DMuonState]:
-    """torch-style groups over module params, and the DMuon state they belong to."""
+def _user_groups(params, param_groups=None) -> tuple[list[dict], DMuonState]:
+    """torch-style groups over module params (or the reference's named groups over the
+    model's), and the DMuon state they belong to."""
+    if param_groups is not None:
+        if not isinstance(params, nn.Module):
+            raise TypeError("dmuon.Muon(model, param_groups=[...]): named param groups "
+                            "go with the model as the first argument")
+        groups, state = named_groups(params, param_groups), get_state(params)
+        return _user_groups(groups)[0], state
     if isinstance(params, nn.Module):
         trainable = [p for p in params.parameters() if p.requires_grad]
         groups = [{"params": [p for p in trainable if is_dedicated(p)]},
@@ -154,17 +161,11 @@ class Muon(torch.optim.Optimizer):
         for name, value in (("adamw_lr", adamw_lr), ("adamw_weight_decay", adamw_weight_decay)):
             if not value >= 0:
                 raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {value}")
-        if param_groups is not None:
-            if not isinstance(params, nn.Module):
-                raise TypeError("dmuon.Muon(model, param_groups=[...]): named param groups "
-                                "go with the model as the first argument")
-            params = named_groups(params, param_groups)
-        user_groups, self._state = _user_groups(params)
+        user_groups, self._state = _user_groups(params, param_groups)
         self._state.check_dedicated()
-        self.replicate_async = replicate_async
-        self.skip_nonfinite = skip_nonfinite
-        self.skipped_steps = 0  # steps skipped for a non-finite gradient
-        self.nonfinite_ranks: list = []  # the last step's: ranks, or ["fsdp2"]
+        self.replicate_async, self.skip_nonfinite = replicate_async, skip_nonfinite
+        # steps skipped for a non-finite gradient; the last step's ranks (or ["fsdp2"])
+        self.skipped_steps, self.nonfinite_ranks = 0, []
         members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
         self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
         super().__init__(self._groups(user_groups, muon_defaults, adamw_defaults), {})

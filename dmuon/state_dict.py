@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from . import comm
-from .dedicate import get_state
 from .fqn import canonical_fqn
+from .state import get_state
 
 _guard = threading.local()
 

@@ -25,9 +25,9 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from . import checkpoint
-from .dedicate import get_state
 from .fqn import canonical_fqn, param_names
 from .init import local_part
+from .state import get_state
 from .state_dict import full_owned, full_state_dict, raw_state_dict
 
 _UNSUPPORTED = {"keep_submodule_prefixes": True, "flatten_optimizer_state_dict": False,

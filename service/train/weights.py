@@ -65,7 +65,7 @@ def load_weights(model: nn.Module, weights_dir: str) -> None:
                 b.load_value(m, read(key, lo, hi))
             b.free()  # the next forward gathers the new values
         for name, param in model.named_parameters():
-            if dmuon.dedicate.is_dedicated(param):
+            if dmuon.state.is_dedicated(param):
                 continue
             key = canonical_fqn(name)
             if hasattr(param, "to_local"):

@@ -1,0 +1,305 @@
+"""What ``dedicate_params`` attaches to a model: where this rank sits, its groups, its
+boundaries and hooks, and the ordered gradient reduce (``DMuonState``); and the
+functions that read it back from a model (``get_state``, ``get_plan``, the dedicated
+and owned params)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from . import comm
+from .fqn import canonical_fqn, params_by_name
+from .partition import DedicationPlan
+
+if TYPE_CHECKING:
+    from .buffers import Boundary
+    from .hooks import BoundaryHooks
+    from .reduce import GradientReduce
+
+STATE_ATTR = "_dmuon_state"
+DEDICATED_ATTR = "_dmuon_dedicated"
+
+
+@dataclasses.dataclass
+class RankContext:
+    """Where this rank sits, the groups DMuon talks on, and how it casts."""
+
+    device: torch.device
+    shard_group: object  # parameter all-gathers
+    reduce_group: object  # gradient reduce-scatters (same members)
+    shard_rank: int
+    shard_size: int
+    replicate_group: object
+    presence_group: object  # the replicate dim again, free of queued reduces at the step
+    replicate_rank: int
+    replicate_size: int
+    ledger: comm.Ledger
+    streams: comm.Streams
+    reduce_dtype: torch.dtype | None = None
+
+
+class DMuonState:
+    """Everything ``dedicate_params`` attaches to a model (one per model)."""
+
+    def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool,
+                 prefetch: int):
+        self.plan, self.ctx = plan, ctx
+        self.reshard_after_forward = reshard_after_forward
+        self.prefetch_depth = prefetch
+        self.boundaries: list[Boundary] = []  # forward order
+        self.hooks: list[BoundaryHooks] = []
+        self.reduce: GradientReduce | None = None
+        self.in_backward = False
+        self.needs_init = False
+        self.mp_policy = None
+        self.optimizer_attached = False
+        self.memory_trace: list[tuple[str, int]] | None = None
+        self.model = lambda: None  # a weak reference to the dedicated model, once attached
+        self.set_up_checked = False  # before_first_forward ran
+
+    @property
+    def ledger(self) -> comm.Ledger:
+        return self.ctx.ledger
+
+    @property
+    def owned_params(self) -> dict[str, torch.Tensor]:
+        """Unit FQN -> this rank's master copy, for the units this rank owns."""
+        return {fqn: t for b in self.boundaries for fqn, t in b.masters.items()}
+
+    def live_packed_bytes(self) -> int:
+        return sum(b.live_bytes() for b in self.boundaries)
+
+    def trace(self, event: str) -> None:
+        if self.memory_trace is not None:
+            self.memory_trace.append((event, self.live_packed_bytes()))
+
+    def check_initialised(self) -> None:
+        if self.needs_init:
+            raise RuntimeError("the model was dedicated on the meta device: call "
+                               "dmuon.materialize(model, ...) before the first forward")
+
+    def check_dedicated(self) -> None:
+        """Refuse a model whose dedicated params FSDP2 took over: a ``fully_shard`` bound
+        before ``import dmuon`` is FSDP2's own, which does not skip them."""
+        model = self.model()
+        if model is None:
+            return
+        now = params_by_name(model)
+        for b in self.boundaries:
+            for m in b.members:
+                fqn = self.plan.params[m.fqn].param
+                if now.get(canonical_fqn(fqn)) is not m.param:
+                    raise RuntimeError(
+                        f"'{fqn}' is dedicated to DMuon, but FSDP2 sharded it: that "
+                        "fully_shard was imported before `import dmuon`, so it does not skip "
+                        "dedicated params. Import dmuon first (then `from "
+                        "torch.distributed.fsdp import fully_shard` skips them), or call "
+                        "dmuon.fully_shard, or pass ignored_params=dmuon.ignored_params(model);"
+                        " order: TP, dmuon.dedicate_params, fully_shard")
+
+    def before_first_forward(self) -> None:
+        """Checks the set-up once, then frees the placeholders' storage, which a model
+        dedicated with its values kept until now (see ``build_boundaries``)."""
+        if self.set_up_checked:
+            return
+        self.check_initialised()
+        self.check_dedicated()
+        for b in self.boundaries:
+            b.free()
+        self.set_up_checked = True
+
+    def prefetch(self, hooks: BoundaryHooks, forward: bool) -> None:
+        """Issue the all-gathers of the next boundaries (in backward: the previous ones,
+        Z3 only), so they overlap this boundary's compute. Every rank issues the same."""
+        if forward == self.in_backward or not (forward or self.reshard_after_forward):
+            return
+        self._gather_ahead(self.hooks.index(hooks), forward)
+
+    def _gather_ahead(self, i: int, forward: bool) -> None:
+        """The all-gathers of the ``prefetch_depth`` boundaries after position ``i`` in
+        forward order (before it, in the backward)."""
+        step = 1 if forward else -1
+        for k in range(1, self.prefetch_depth + 1):
+            j = i + step * k
+            if 0 <= j < len(self.boundaries):
+                self.boundaries[j].start_gather("forward" if forward else "backward")
+
+    # -- the root's hooks: where one iteration's backward begins and ends -----------------
+    def install_root_hooks(self, model: nn.Module) -> None:
+        def pre_forward(module, args):
+            self.before_first_forward()
+            if self.in_backward:
+                self.end_backward()
+            # the first boundaries' all-gathers overlap what runs before them (the
+            # embedding, FSDP2's own gathers); every rank issues them here, in order
+            self._gather_ahead(-1, forward=True)
+
+        def post_forward(module, args, output):
+            if torch.is_grad_enabled() and not self.in_backward:
+                from torch.utils._pytree import tree_flatten
+
+                hooked = False
+                for t in tree_flatten(output)[0]:
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(self._backward_begins)
+                        hooked = True
+                if hooked and self.reshard_after_forward:
+                    # Z3: the backward needs the last boundaries first; their re-gathers
+                    # overlap the loss and the head's backward
+                    self._gather_ahead(len(self.boundaries), forward=False)
+            return output
+
+        model.register_forward_pre_hook(pre_forward)
+        model.register_forward_hook(post_forward)
+
+    def _backward_begins(self, grad):
+        if self.in_backward and self.reduce.backward_open:
+            return grad  # another output of the same forward
+        self.in_backward = True
+        self.reduce.begin_backward()
+        return grad
+
+    def end_backward(self) -> None:
+        self.in_backward = False
+        self.reduce.end_backward()
+        for h in self.hooks:
+            h.reset()
+
+    def adopt_mp_policy(self, policy) -> None:
+        """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy per model."""
+        if self.mp_policy is not None:
+            if self.mp_policy != policy:
+                raise ValueError(f"fully_shard(mp_policy={policy}) differs from DMuon's "
+                                 f"{self.mp_policy}: one policy per dedicated model")
+            return
+        if self.optimizer_attached or self.ledger.steps_closed or self.ledger.current():
+            raise RuntimeError("a mixed-precision policy must be set before the first "
+                               "forward and before dmuon.Muon is created")
+        self.mp_policy = policy
+        self.ctx.reduce_dtype = policy.reduce_dtype
+        for b in self.boundaries:
+            b.set_param_dtype(policy.param_dtype or b.master_dtype)
+
+    def finish_gradient_sync(self) -> None:
+        """Every gradient reduced and landed on its owner (clipping)."""
+        for _ in self.landing_order():
+            pass
+
+    def landing_order(self):
+        """The boundaries as their gradients land (the reduces' fixed order), each one
+        landed before it is yielded, so the owner can work on it while later ones are
+        still on the wire."""
+        self.end_backward()
+        self.reduce.prepare_step(self._fsdp2_nonfinite())
+        for b in reversed(self.boundaries):
+            self.reduce.land(b)
+            yield b
+        self.reduce.close_step()
+
+    def discard_gradients(self, set_to_none: bool = True) -> None:
+        """``zero_grad``: the gradients of every backward since the last step are gone,
+        whether still local (``no_sync``), on the wire, or landed on an owner."""
+        if self.in_backward:
+            self.end_backward()
+        self.reduce.discard()
+        for b in self.boundaries:
+            b.discard_gradients(set_to_none)
+        model = self.model()
+        if model is not None:
+            _drop_fsdp2_unreduced_gradients(model)
+
+    def fsdp2_gradients(self) -> list[torch.Tensor]:
+        """This rank's FSDP2 gradient shards (local tensors)."""
+        model = self.model()
+        grads = [p.grad for p in model.parameters() if not is_dedicated(p)
+                 and p.grad is not None] if model is not None else []
+        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+
+    def _fsdp2_nonfinite(self) -> torch.Tensor | None:
+        finite = [g.sum().isfinite() for g in self.fsdp2_gradients()]
+        return (~torch.stack(finite).all()).float() if finite else None
+
+    def after_step(self, replicate_async: bool) -> None:
+        for b in self.boundaries:
+            b.wait_gather()
+            if self.reshard_after_forward:
+                b.free()  # a prefetched boundary that did not run this iteration
+            b.publish()
+            b.start_replicate()
+        if not replicate_async:
+            self.drain()
+
+    def drain(self) -> None:
+        """Wait for pending replicate all-gathers (before anything reads column values)."""
+        for b in self.boundaries:
+            b.wait_replicate()
+
+
+def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:
+    """FSDP2 keeps a ``no_sync`` backward's gradients on its unsharded params, which
+    ``zero_grad`` never reaches (it sees the sharded ones), so the next synced backward
+    would reduce them with its own; FSDP2 has no public call that drops them. Read-only
+    use of its param-group state; nothing of FSDP2 is replaced."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(fully_shard.state(module), "_fsdp_param_group", None)
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            fsdp_param.unsharded_accumulated_grad = None
+            unsharded = getattr(fsdp_param, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
+
+
+def get_state(model: nn.Module) -> DMuonState:
+    state = getattr(model, STATE_ATTR, None)
+    if state is None:
+        raise RuntimeError("model has no DMuon state: call dmuon.dedicate_params(model, ...) first")
+    return state
+
+
+def get_plan(model: nn.Module) -> DedicationPlan:
+    """The plan ``dedicate_params`` made for ``model``."""
+    return get_state(model).plan
+
+
+def get_dedicated_params(model: nn.Module) -> list[nn.Parameter]:
+    """Every dedicated param of ``model`` (the module's own placeholders), in plan order."""
+    now = params_by_name(model)
+    return [now[canonical_fqn(fqn)] for fqn in get_state(model).plan.param_fqns]
+
+
+def get_owned_params(model: nn.Module, rank) -> list[nn.Parameter]:
+    """The dedicated params ``rank`` owns: a global rank, or the reference's ``(shard,
+    replicate)`` coordinate. Their values and gradients live in the owner's masters
+    (``dmuon.get_state(model).owned_params``); these are the module's params."""
+    plan = get_state(model).plan
+    if isinstance(rank, tuple):
+        shard, replica = rank
+        rank = replica * plan.shard_size + shard
+    if not (isinstance(rank, int) and not isinstance(rank, bool)
+            and 0 <= rank < plan.world_size):
+        raise ValueError(f"rank={rank!r} is not a rank of the {plan.world_size}-rank layout")
+    return [p for p in get_dedicated_params(model)
+            if rank in {plan.params[u].owner for u in plan.param_fqns[p._dmuon_dedicated]}]
+
+
+def wait_all_reduces(model: nn.Module) -> None:
+    """Every gradient reduced and landed in its owner's master ``.grad`` (``step()`` and
+    ``clip_grad_norm_`` do this themselves)."""
+    get_state(model).finish_gradient_sync()
+
+
+def is_dedicated(param: nn.Parameter) -> bool:
+    return bool(getattr(param, DEDICATED_ATTR, False))
+
+
+def ignored_params(model: nn.Module) -> set[nn.Parameter]:
+    """The dedicated params under ``model``, for ``fully_shard(..., ignored_params=...)``."""
+    return {p for p in model.parameters() if is_dedicated(p)}
