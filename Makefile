@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-modes lint clean
+	bench-modes bench-compile lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -69,6 +69,10 @@ bench-convergence: $(STAMP)
 # dmuon.mode auto for Llama-3 8B / 70B on 1, 8, 64 GPUs of 80 GB (seconds)
 bench-modes: $(STAMP)
 	$(PY) -m bench.modes
+
+# step time with and without torch.compile per block (a dated record in bench/results/)
+bench-compile: $(STAMP)
+	$(PY) -m bench.compile
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench
