@@ -19,6 +19,7 @@ import time
 
 from ..packages import PackageError, runtime_working_dir
 from ..planner import NodeInfo, inventory_from_dashboard
+from ..train import failure
 from .guard import token_hash
 from .records import read_spool, spool_path
 from .schema import CLAIMED, TERMINAL
@@ -37,6 +38,15 @@ def _log(message: str) -> None:
 def _missing(error: Exception) -> bool:
     """Ray's job API answers 404 for a submission id it does not know."""
     return isinstance(error, RuntimeError) and "status code 404" in str(error)
+
+
+def outcome_message(job_id: str, ray_message: str | None, reason: dict | None) -> str | None:
+    """The job's message: with a reason, its one line and where the whole log is;
+    otherwise Ray's own (its log's tail), without terminal escape codes."""
+    if reason is None:
+        return failure.strip_ansi(ray_message)
+    return (f"{failure.summary(reason)}; the full log: GET /v1/jobs/{job_id}/logs "
+            f"(dmuon-svc logs {job_id})")
 
 
 class RayJobRunner:
@@ -108,9 +118,17 @@ class RayJobRunner:
         self.ingest_spool(job_id, job["spool_offset"])
         status = str(info.status.value)
         if status in TERMINAL:
-            self.store.settle(job_id, status, info.message)
+            reason = self.failure_reason(job_id) if status == "FAILED" else None
+            self.store.settle(job_id, status, outcome_message(job_id, info.message, reason),
+                              reason)
         elif job["status"] in TERMINAL:
             self.client.stop_job(job_id)  # cancelled in the store, still on Ray: again
+
+    def failure_reason(self, job_id: str) -> dict | None:
+        """What the job's first failing rank (or its entrypoint) wrote: type, message,
+        rank, step, frames; None when nothing did (the entrypoint never ran)."""
+        return failure.sanitized(failure.read_reason(
+            os.path.join(self.storage, job_id, failure.FAILURE_FILE)))
 
     def _unknown_to_ray(self, job: dict) -> None:
         if job["ray"] != CLAIMED:

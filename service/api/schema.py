@@ -38,6 +38,9 @@ jobs = Table(
     Column("dry_run", Boolean, nullable=False),
     Column("idempotency_key", String(256), unique=True),
     Column("message", Text),
+    # why a FAILED job failed: JSON {type, message, rank, step, phase, frames, source,
+    # time} (service/train/failure.py), NULL when no exception is known (migration 0002)
+    Column("reason", Text),
     Column("created", Float, nullable=False),
     Column("updated", Float, nullable=False),
     Column("ray", String(16)),

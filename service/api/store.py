@@ -17,6 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
 
+from ..train.failure import strip_ansi
 from .migrate import upgrade
 from .schema import CLAIMED, SETTLED, STATES, SUBMITTED, TERMINAL, jobs, locks, metrics
 from .schema import status_history as history_table
@@ -60,6 +61,8 @@ def _job(row) -> dict:
     """A row as the API shows it (a row read without its plan has none)."""
     job = dict(row._mapping)
     job["spec"] = json.loads(job["spec"])
+    if "reason" in job:
+        job["reason"] = json.loads(job["reason"]) if job["reason"] else None
     if "plan" in job:
         job["plan"] = json.loads(job["plan"]) if job["plan"] else None
     for private in ("job_token_hash", "spool_offset", "claimed_at", "ray"):
@@ -102,15 +105,15 @@ class JobStore:
 
     # -- jobs ----------------------------------------------------------------------------
     def create_job(self, name: str, spec: dict, *, dry_run: bool, plan: dict | None,
-                   idempotency_key: str | None = None,
-                   status: str = "PENDING") -> tuple[dict, bool]:
+                   idempotency_key: str | None = None, status: str = "PENDING",
+                   message: str | None = None) -> tuple[dict, bool]:
         """(job, created): a new job, or the one an earlier request with the same key
         made (whichever replica made it)."""
         now, job_id = time.time(), f"dmuon-{uuid.uuid4().hex[:12]}"
         row = {"id": job_id, "name": name, "spec": json.dumps(spec), "status": status,
                "dry_run": dry_run, "idempotency_key": idempotency_key or None,
                "plan": json.dumps(plan) if plan is not None else None, "created": now,
-               "updated": now}
+               "updated": now, "message": message}
         with self.writer.begin() as conn:
             stmt = self._insert(jobs).values(**row)
             if idempotency_key:
@@ -119,7 +122,7 @@ class JobStore:
             created = conn.execute(stmt.returning(jobs.c.id)).first() is not None
             if created:
                 conn.execute(insert(history_table).values(job_id=job_id, status=status,
-                                                          time=now))
+                                                          time=now, message=message))
             else:
                 job_id = conn.execute(select(jobs.c.id).where(
                     jobs.c.idempotency_key == idempotency_key)).scalar_one()
@@ -159,13 +162,18 @@ class JobStore:
             return {**dict.fromkeys(STATES, 0), **{s: n for s, n in rows}}
 
     # -- status changes (compare-and-set) --------------------------------------------------
-    def _move(self, conn, job_id: str, status: str, message: str | None, *extra) -> bool:
-        """``status`` unless the job is terminal (or already there); True if it moved."""
-        now = time.time()
+    def _move(self, conn, job_id: str, status: str, message: str | None, *extra,
+              reason: dict | None = None) -> bool:
+        """``status`` unless the job is terminal (or already there); True if it moved.
+        Terminal escape codes (Ray colours its logs) never reach the store."""
+        now, message = time.time(), strip_ansi(message)
+        values = {"status": status, "message": message, "updated": now}
+        if reason is not None:
+            values["reason"] = json.dumps(reason)
         moved = conn.execute(
             update(jobs).where(jobs.c.id == job_id, jobs.c.status.not_in(TERMINAL),
                                jobs.c.status != status, *extra)
-            .values(status=status, message=message, updated=now)).rowcount == 1
+            .values(**values)).rowcount == 1
         if moved:
             conn.execute(insert(history_table).values(job_id=job_id, status=status, time=now,
                                                       message=message))
@@ -225,12 +233,14 @@ class JobStore:
             conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.ray == CLAIMED)
                          .values(ray=None, claimed_at=None))
 
-    def settle(self, job_id: str, status: str, message: str | None) -> None:
-        """Ray says the job ended: record its final status (unless the store already had
-        one, such as STOPPED) and stop watching it."""
+    def settle(self, job_id: str, status: str, message: str | None,
+               reason: dict | None = None) -> None:
+        """Ray says the job ended: record its final status, with why it failed when that
+        is known (unless the store already had one, such as STOPPED), and stop watching
+        it."""
         with self.writer.begin() as conn:
             conn.execute(update(jobs).where(jobs.c.id == job_id).values(ray=SETTLED))
-            self._move(conn, job_id, status, message)
+            self._move(conn, job_id, status, message, reason=reason)
 
     def on_ray(self) -> list[dict]:
         """Jobs claimed or submitted and not yet settled: what the runner reconciles."""
@@ -308,6 +318,15 @@ class JobStore:
                 .where(metrics.c.job_id == job_id, metrics.c.id > cursor)
                 .order_by(metrics.c.id).limit(limit)).all()
         return [(i, {**json.loads(text), "received": received}) for i, text, received in rows]
+
+    def failure(self, job_id: str) -> tuple[dict | None, str | None]:
+        """(reason, message) of a job: why it failed, when that is known."""
+        with self.reader.connect() as conn:
+            row = conn.execute(select(jobs.c.reason, jobs.c.message)
+                               .where(jobs.c.id == job_id)).first()
+        if row is None:
+            return None, None
+        return (json.loads(row.reason) if row.reason else None), row.message
 
     def job_status(self, job_id: str) -> str | None:
         with self.reader.connect() as conn:

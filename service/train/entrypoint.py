@@ -15,6 +15,7 @@ on failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from ..planner import (  # noqa: E402
     predict,
 )
 from ..spec import SpecError, load_spec  # noqa: E402
+from . import failure  # noqa: E402
 from .params import ParamRuleError  # noqa: E402
 
 
@@ -132,6 +134,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     from . import loop as train
 
     job_dir = os.path.join(storage, job_id)
+    failure_file = failure_path(storage, job_id, export_only)
+    with contextlib.suppress(FileNotFoundError):  # a reason from an earlier run of this id
+        os.remove(failure_file)
     inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"))
     plan = plan_to_run(spec, plan, inputs["model"])
     os.makedirs(job_dir, exist_ok=True)
@@ -144,7 +149,8 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
               # plans stored before modes were planned run the spec's own mode
               "modes": {k: plan["modes"][k] for k in ("dmuon", "fsdp")}
               if plan.get("modes") else None,
-              "return_params": return_params, "export_only": export_only}
+              "return_params": return_params, "export_only": export_only,
+              "failure_file": failure_file}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
@@ -161,6 +167,33 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
     return result, layout, _last_step(metrics.path)
+
+
+def failure_path(storage: str, job_id: str, export_only: bool = False) -> str:
+    name = failure.EXPORT_FAILURE_FILE if export_only else failure.FAILURE_FILE
+    return os.path.join(os.path.abspath(storage), job_id, name)
+
+
+def failure_reason(error: BaseException, path: str) -> dict:
+    """The job's reason: the one its first failing worker wrote, else one made here from
+    what Ray Train raised (a worker that died without a Python exception, a refused
+    layout), written for the control plane too."""
+    found = failure.read_reason(path)
+    if found is not None:
+        return found
+    rank, cause, frames = None, error, None
+    workers = getattr(error, "worker_failures", None)  # ray.train.WorkerGroupError
+    if workers:
+        rank = min(workers)
+        cause = workers[rank]
+        base = getattr(cause, "_base_exc", None)  # Ray's wrapper with the traceback text
+        if base is not None:
+            frames = failure.frames_from_text(str(cause))
+            cause = base
+    reason = failure.describe(cause, rank=rank, step=None, phase=None, source="entrypoint",
+                              frames=frames)
+    failure.record_first(path, reason)
+    return failure.read_reason(path) or reason
 
 
 def _last_step(spool: str) -> int | None:
@@ -219,6 +252,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
+    failed = failure_path(args.storage, job_id, args.export_only)
     connect_ray(args.num_cpus)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
@@ -230,15 +264,19 @@ def main(argv=None) -> int:
         # Ray Train's Result keeps metrics only with a checkpoint
         summary.update(layout=[layout["replicate"], layout["shard"]], final_step=last_step)
         if result.error:
-            summary.update(status="FAILED", error=str(result.error))
+            summary.update(status="FAILED", error=str(result.error),
+                           reason=failure_reason(result.error, failed))
     except PlacementError as e:
+        failure_reason(e, failed)
         print(f"error: layout refused: {e}", file=sys.stderr)
         return 2
     except (ParamRuleError, SpecError) as e:
+        failure_reason(e, failed)
         print(f"error: {e}", file=sys.stderr)
         return 2
     except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure
-        summary.update(status="FAILED", error=f"{type(e).__name__}: {e}")
+        summary.update(status="FAILED", error=f"{type(e).__name__}: {e}",
+                       reason=failure_reason(e, failed))
     summary["seconds"] = round(time.time() - start, 2)
     print(json.dumps({"summary": summary}), flush=True)
     return 0 if summary["status"] == "SUCCEEDED" else 1

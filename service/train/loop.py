@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import dmuon
 
 from ..spec import JobSpec, parse_spec
-from . import checkpoints, recipe
+from . import checkpoints, failure, recipe
 from .build import build_on_meta, checkpoint_blocks, init_rule, logits_of
 from .data import Batches
 from .dtypes import DTYPES, muon_kwargs
@@ -115,10 +115,14 @@ def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
 
 def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
                  inputs: dict | None = None, modes: dict | None = None, export_dir=None,
-                 export_only=False, node_ids=None, node_ip=None, fallback_checkpoint=None):
+                 export_only=False, node_ids=None, node_ip=None, fallback_checkpoint=None,
+                 progress: dict | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
-    gets every step's record and, on checkpoint steps, the committed directory."""
+    gets every step's record and, on checkpoint steps, the committed directory.
+    ``progress`` (if given) always holds the phase and the 1-based step in progress."""
     inputs = inputs or BUILTIN_INPUTS
+    progress = progress if progress is not None else {}
+    progress.update(phase="setup", step=None)
     model, opt, split = build_training(spec, mesh, inputs, modes)
     rank = dist.get_rank()
     r, s, dp_rank, dp_size = _layout(mesh)
@@ -130,11 +134,13 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, fallback_checkpoint)
     if export_only:
+        progress.update(phase="export")
         if start == 0:
             raise RuntimeError(f"nothing to export: no committed checkpoint in {checkpoint_dir}")
         export_model(model, spec, mesh, export_dir)
         return model
     for step in range(start, spec.steps):
+        progress.update(phase="step", step=step + 1)  # numbered as the records are
         t0 = time.perf_counter()
         lrs = recipe.apply_lr(opt, base_lrs, recipe.lr_factor(spec, step))
         loss, norm = train_step(model, opt, spec, train, step, (dp_rank, dp_size), micros)
@@ -150,6 +156,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         if checkpoint_dir and checkpoints.due(spec, step + 1):
             path = checkpoints.save(spec, checkpoint_dir, step + 1, model, opt)
         report(record, path)
+    progress.update(phase="export", step=None)
     if export_dir and spec.export.enabled:
         export_model(model, spec, mesh, export_dir)
     return model
@@ -163,6 +170,22 @@ def export_model(model, spec: JobSpec, mesh: DeviceMesh, out_dir: str) -> str:
 
 
 def train_loop_per_worker(config: dict) -> None:
+    """A worker's whole run. Its first exception is described (type, message, rank,
+    step, frames) in the job's failure file, first writer wins, then re-raised."""
+    import ray.train
+
+    progress: dict = {"phase": "setup", "step": None}
+    try:
+        _worker(config, progress)
+    except Exception as e:
+        if config.get("failure_file"):
+            failure.record_first(config["failure_file"], failure.describe(
+                e, rank=ray.train.get_context().get_world_rank(), step=progress["step"],
+                phase=progress["phase"], source="worker"))
+        raise
+
+
+def _worker(config: dict, progress: dict) -> None:
     import ray.train
     import ray.util
 
@@ -180,7 +203,7 @@ def train_loop_per_worker(config: dict) -> None:
                          export_dir=config.get("export_dir"),
                          export_only=config.get("export_only", False), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),
-                         fallback_checkpoint=ray.train.get_checkpoint)
+                         fallback_checkpoint=ray.train.get_checkpoint, progress=progress)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:

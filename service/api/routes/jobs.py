@@ -20,6 +20,8 @@ from ..guard import JobId, guarded
 from ..schema import STATES
 
 SPEC_BYTES = 64 << 10  # a spec is a few hundred bytes; this leaves room for comments
+# a dry run is stored as SUCCEEDED (it ended: planned, nothing to run) with dry_run true
+DRY_RUN_MESSAGE = "dry run: planned and stored, never run on Ray"
 admin = APIRouter(route_class=guarded("admin"), tags=["jobs"])
 reads = APIRouter(route_class=guarded("read"), tags=["jobs"])
 
@@ -93,7 +95,8 @@ def submit(body: JobSubmission, request: Request, response: Response,
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
         body.spec.name, spec, dry_run=body.dry_run, plan=planned,
-        idempotency_key=idempotency_key, status="SUCCEEDED" if body.dry_run else "PENDING")
+        idempotency_key=idempotency_key, status="SUCCEEDED" if body.dry_run else "PENDING",
+        message=DRY_RUN_MESSAGE if body.dry_run else None)
     if (job["spec"], job["dry_run"]) != (spec, body.dry_run):
         raise HTTPException(409, f"Idempotency-Key {idempotency_key!r} was used for "
                                  f"another request (job {job['id']})")

@@ -39,11 +39,20 @@ async def events(request: Request, job_id: Annotated[str, Depends(_existing)],
         current = await asyncio.to_thread(store.job_status, job_id)
         if current != status:
             status = current
-            yield ServerSentEvent(data={"status": status}, event="status")
+            yield ServerSentEvent(data=await _status_event(store, job_id, status),
+                                  event="status")
         if status in TERMINAL and not fresh:
             return
         if not fresh:
             await asyncio.sleep(poll_s)
+
+
+async def _status_event(store, job_id: str, status: str) -> dict:
+    """``{"status"}``; a FAILED job's also carries ``reason`` and ``message``."""
+    if status != "FAILED":
+        return {"status": status}
+    reason, message = await asyncio.to_thread(store.failure, job_id)
+    return {"status": status, "reason": reason, "message": message}
 
 
 @admin.get("/v1/jobs/{job_id}/logs")

@@ -37,8 +37,7 @@ async function refreshJobs() {
     row.className = job.id === state.job?.id ? "selected" : "";
     const created = new Date(job.created * 1000).toLocaleTimeString();
     row.innerHTML = `<td title="${esc(job.id)}">${esc(job.name)}</td>` +
-      `<td><span class="status ${esc(job.status)}">${esc(job.status)}</span></td>` +
-      `<td>${created}</td>`;
+      `<td>${statusBadge(job)}</td><td>${created}</td>`;
     row.addEventListener("click", () => selectJob(job.id));
     return row;
   }));
@@ -46,8 +45,41 @@ async function refreshJobs() {
   if (!state.job && !state.selecting && jobs.length) selectJob(wanted || (jobs.find((j) => j.status === "RUNNING") || jobs[0]).id);
   if (state.job) {
     const mine = jobs.find((j) => j.id === state.job.id);
-    if (mine) showFacts({ ...state.job, status: mine.status });
+    if (mine) {
+      Object.assign(state.job, { status: mine.status, reason: mine.reason, message: mine.message });
+      showFacts(state.job);
+    }
   }
+}
+
+// A dry run is stored as SUCCEEDED with dry_run true: it is shown as what it is.
+function statusBadge(job) {
+  if (job.dry_run) {
+    return `<span class="status DRYRUN" title="planned only: nothing ran on Ray">DRY RUN</span>`;
+  }
+  const why = job.status === "FAILED" && job.reason ? ` title="${esc(reasonLine(job.reason))}"` : "";
+  return `<span class="status ${esc(job.status)}"${why}>${esc(job.status)}</span>`;
+}
+
+function reasonLine(reason) {
+  const where = ["rank", "step"].filter((k) => reason[k] != null).map((k) => `${k} ${reason[k]}`);
+  return `${reason.type}: ${reason.message}` + (where.length ? ` (${where.join(", ")})` : "");
+}
+
+// Why a FAILED job failed: its first failing rank's exception (type, message, rank, step,
+// the innermost frames), else the message the control plane stored.
+function showReason(job) {
+  const box = document.getElementById("job-reason");
+  const reason = job.status === "FAILED" ? job.reason : null;
+  box.hidden = job.status !== "FAILED" || !(reason || job.message);
+  if (box.hidden) return;
+  box.querySelector(".reason-type").textContent = reason ? reason.type : "FAILED";
+  box.querySelector(".reason-message").textContent = reason ? reason.message : job.message;
+  const where = reason ? [["rank", reason.rank], ["step", reason.step], ["phase", reason.phase]]
+    .filter(([, v]) => v != null).map(([k, v]) => `${k} ${v}`) : [];
+  box.querySelector(".reason-where").textContent = where.join(" \u00b7 ");
+  box.querySelector(".reason-frames").textContent = (reason?.frames || []).join("\n");
+  box.querySelector(".reason-frames").hidden = !reason?.frames?.length;
 }
 
 // ---- one job ------------------------------------------------------------------------
@@ -77,7 +109,8 @@ function showFacts(job) {
   document.getElementById("job-title").dataset.status = job.status;
   const p = job.partition;
   const facts = {
-    status: job.status, model: modelName(job.spec.model), steps: job.spec.steps,
+    status: job.dry_run ? "dry run (planned, never run)" : job.status,
+    model: modelName(job.spec.model), steps: job.spec.steps,
     layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
     "planned on": plannedOn(p.inventory),
     mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
@@ -86,6 +119,8 @@ function showFacts(job) {
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
+  document.getElementById("job-title").dataset.dryRun = job.dry_run ? "true" : "false";
+  showReason(job);
 }
 
 function plannedOn(inv) {
@@ -221,7 +256,7 @@ async function followEvents(id) {
           buffer = buffer.slice(cut + 2);
           if (event.id) lastId = Number(event.id);
           if (event.type === "metrics") onMetrics(JSON.parse(event.data));
-          if (event.type === "status") state.job.status = JSON.parse(event.data).status;
+          if (event.type === "status") Object.assign(state.job, JSON.parse(event.data));
           if (event.type === "status" && ["SUCCEEDED", "FAILED", "STOPPED"].includes(state.job.status)) {
             state.job.dirty = true;
             return;
