@@ -19,6 +19,7 @@ from .spec_data import DataSpec
 from .spec_model import ModelRef, builtin_config, check_preset
 from .spec_recipe import (
     CheckpointSpec,
+    CompileSpec,
     DMuonSpec,
     ExportSpec,
     MetricsSpec,
@@ -105,6 +106,7 @@ class JobSpec(_Strict):
     clip_grad_norm: float | None = Field(1.0, gt=0, le=1e9,
                                          description="global max norm (null: none)")
     activation_checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
+    compile: CompileSpec = Field(default_factory=CompileSpec)
     dmuon: DMuonSpec = Field(default_factory=DMuonSpec)
     layout: LayoutSpec = Field(default_factory=LayoutSpec)
     resources_per_worker: ResourcesSpec = Field(default_factory=ResourcesSpec)

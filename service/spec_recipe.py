@@ -63,6 +63,31 @@ class CheckpointSpec(StrictModel):
     keep_last: int = Field(2, ge=0, le=1 << 20, description="0: keep every checkpoint")
 
 
+class CompileSpec(StrictModel):
+    """``torch.compile`` per block, as torchtitan applies it (after activation
+    checkpointing, before DMuon and FSDP2): each block compiled in place
+    (``block.compile()``, which keeps the params' FQNs, so the plan's names are the
+    workers'); DMuon's and FSDP2's hooks run outside the compiled region. ``compile:
+    true`` is ``{enabled: true}``."""
+
+    enabled: bool = False
+    backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    mode: Literal["default", "reduce-overhead", "max-autotune",
+                  "max-autotune-no-cudagraphs"] | None = None
+    fullgraph: bool = False
+    dynamic: bool | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shorthand(cls, data: Any):
+        return {"enabled": data} if isinstance(data, bool) else data
+
+    def options(self) -> dict:
+        """``torch.compile``'s keyword arguments."""
+        return {"backend": self.backend, "mode": self.mode, "fullgraph": self.fullgraph,
+                "dynamic": self.dynamic}
+
+
 class ExportSpec(StrictModel):
     enabled: bool = Field(True, description="sharded safetensors + config.json in "
                                             "<storage>/<job id>/export at the end")

@@ -82,8 +82,11 @@ def _watch_dashboard(svc, job_id, held_step) -> None:
 def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stack):
     svc = stack
     open(os.path.join(svc.holds, "step_3"), "w").close()
-    status, job = svc.request("POST", "/v1/jobs", {"spec": SPEC})
+    # this job's blocks run under torch.compile (inductor); tests/test_compile.py holds
+    # compiled runs to eager ones
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "compile": True}})
     assert status == 201 and job["status"] == "PENDING"
+    assert job["spec"]["compile"]["enabled"] is True
     # max_running=1: the second job waits in the service's queue, then is cancelled
     _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 200}})
     _watch_dashboard(svc, job["id"], held_step=3)

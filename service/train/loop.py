@@ -16,7 +16,7 @@ import dmuon
 
 from ..spec import JobSpec, parse_spec
 from . import checkpoints, failure, recipe
-from .build import build_on_meta, checkpoint_blocks, init_rule, logits_of
+from .build import build_on_meta, checkpoint_blocks, compile_blocks, init_rule, logits_of
 from .data import Batches
 from .dtypes import DTYPES, muon_kwargs
 from .export import export
@@ -47,6 +47,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     modes = run_modes(spec, modes)
     model = build_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
     checkpoint_blocks(spec, model, find_blocks(model))  # before the split: FQNs may change
+    compile_blocks(spec, model, find_blocks(model))
     split = split_params(model, muon_params=spec.dmuon.muon_params,
                          adamw_params=spec.dmuon.adamw_params,
                          hook_boundaries=spec.dmuon.hook_boundaries)
