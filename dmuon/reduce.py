@@ -60,6 +60,8 @@ class GradientReduce:
         self._presence = self._presence_work = self._present_units = None
 
     def begin_backward(self) -> None:
+        if self._finished:  # the first backward since the last step: a new step's flags
+            self.nonfinite = None
         self.backward_open = True
         self._backward_syncs = self.sync
 
@@ -209,9 +211,11 @@ class GradientReduce:
         if self._presence is not None:
             self._present()
         self.close_step()
+        self.nonfinite = None
 
     def close_step(self) -> None:
-        self.nonfinite = None
+        # ``nonfinite`` outlives the landing: clipping lands the gradients before the
+        # step that decides on them; the next step's first backward clears it
         if not self._finished:
             self.presence.zero_()
         self._finished, self._presence, self._present_units = True, None, None

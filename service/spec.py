@@ -105,6 +105,10 @@ class JobSpec(_Strict):
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     clip_grad_norm: float | None = Field(1.0, gt=0, le=1e9,
                                          description="global max norm (null: none)")
+    max_nonfinite_steps: int = Field(
+        3, ge=0, le=1 << 20, description="consecutive steps skipped for a non-finite "
+        "gradient (optimizer.skip_nonfinite) before the job fails naming the step, the "
+        "ranks and the last good checkpoint")
     activation_checkpointing: Literal["none", "reentrant", "non_reentrant"] = "none"
     compile: CompileSpec = Field(default_factory=CompileSpec)
     dmuon: DMuonSpec = Field(default_factory=DMuonSpec)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -39,6 +39,10 @@ class StepRecord(BaseModel):
     tokens_per_s_total: Number = None  # every rank's tokens over this rank's step time
     mfu: Number = None  # model FLOPs utilisation against the spec's (or the GPU's) peak
     grad_norm: Number = None  # before clipping
+    skipped: bool = False  # this step's update skipped: a gradient was not finite
+    skipped_steps: Count = 0  # steps skipped so far in this run
+    nonfinite_ranks: list[Count | Literal["fsdp2"]] = Field(default_factory=list,
+                                                            max_length=1 << 16)
     lr: dict[text(16), Number] = Field(default_factory=dict, max_length=8)  # per group kind
     bytes: dict[text(64), Count | float] = Field(default_factory=dict, max_length=64)
     memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)

@@ -100,6 +100,35 @@ def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: tuple
     return loss.item(), norm
 
 
+class NonfiniteSteps:
+    """Steps ``dmuon.Muon`` skipped for a non-finite gradient (every rank skips the same
+    ones): marked in each record; after more than ``allowed`` in a row the job fails,
+    naming the step, the ranks and the last good checkpoint."""
+
+    def __init__(self, allowed: int, start: int):
+        self.allowed, self.in_a_row, self.last_skip = allowed, 0, None
+        self.last_good = f"step {start} (resumed)" if start else None
+        self._seen = 0
+
+    def after_step(self, opt, record: dict, step: int) -> None:
+        skipped = opt.skipped_steps > self._seen
+        self._seen = opt.skipped_steps
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if skipped:
+            self.last_skip = (step, list(opt.nonfinite_ranks))
+        record.update(skipped=skipped, skipped_steps=opt.skipped_steps,
+                      nonfinite_ranks=list(opt.nonfinite_ranks) if skipped else [])
+
+    def check(self) -> None:
+        if self.in_a_row > self.allowed:
+            step, ranks = self.last_skip
+            raise RuntimeError(
+                f"step {step}: {self.in_a_row} steps in a row skipped for a non-finite "
+                f"gradient (more than max_nonfinite_steps={self.allowed}); not finite on "
+                f"rank(s) {', '.join(map(str, ranks))}; last good checkpoint: "
+                f"{self.last_good or 'none (no checkpoint committed yet)'}")
+
+
 def _layout(mesh: DeviceMesh) -> tuple[int, int, int, int]:
     r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
     return r, s, r * mesh["shard"].size() + s, dist.get_world_size()
@@ -116,7 +145,7 @@ def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
 
 def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
                  inputs: dict | None = None, modes: dict | None = None, export_dir=None,
-                 export_only=False, node_ids=None, node_ip=None, fallback_checkpoint=None,
+                 export_only=False, node_ids=None, node_ip=None,
                  progress: dict | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
@@ -133,7 +162,8 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
     tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, dp_size, micros)
     base_lrs = [g["lr"] for g in opt.param_groups]
-    start = checkpoints.resume(model, opt, checkpoint_dir, fallback_checkpoint)
+    start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
+    nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
     if export_only:
         progress.update(phase="export")
         if start == 0:
@@ -151,12 +181,15 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                              peak=peak, lr=lrs, grad_norm=norm)
         record.update(coord=[r, s], resumed_from=start,
                       node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
+        nonfinite.after_step(opt, record, step + 1)
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, dp_rank, dp_size)
         path = None
         if checkpoint_dir and checkpoints.due(spec, step + 1):
-            path = checkpoints.save(spec, checkpoint_dir, step + 1, model, opt)
+            path = nonfinite.last_good = checkpoints.save(spec, checkpoint_dir, step + 1,
+                                                          model, opt)
         report(record, path)
+        nonfinite.check()
     progress.update(phase="export", step=None)
     if export_dir and spec.export.enabled:
         export_model(model, spec, mesh, export_dir)
@@ -195,16 +228,15 @@ def _worker(config: dict, progress: dict) -> None:
     mesh, node_ids = build_mesh(config["replicate"], config["shard"])
     rank = dist.get_rank()
 
-    def report(record, path):  # rank 0 hands the committed checkpoint to Ray Train
-        checkpoint = ray.train.Checkpoint.from_directory(path) if path and rank == 0 else None
-        ray.train.report(record, checkpoint=checkpoint)
+    def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
+        ray.train.report(record)
 
     model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
                          inputs=config.get("inputs"), modes=config.get("modes"),
                          export_dir=config.get("export_dir"),
                          export_only=config.get("export_only", False), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),
-                         fallback_checkpoint=ray.train.get_checkpoint, progress=progress)
+                         progress=progress)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:

@@ -116,11 +116,18 @@ function showFacts(job) {
     mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
     imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
     "last step": job.steps?.size || 0,
+    "skipped (non-finite)": skippedSteps(job),
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
   document.getElementById("job-title").dataset.dryRun = job.dry_run ? "true" : "false";
   showReason(job);
+}
+
+function skippedSteps(job) {
+  // each record carries its rank's count so far: every rank skips the same steps
+  const counts = [...(job.steps?.values() || [])].flat().map((r) => r.skipped_steps || 0);
+  return counts.length ? Math.max(...counts) : 0;
 }
 
 function plannedOn(inv) {
