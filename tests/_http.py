@@ -77,6 +77,16 @@ class Service:
                     events.append(strict_json(line[6:]))
         return events
 
+    def wait_ended(self, job_id: str, timeout: float = 300) -> dict:
+        """The job once it is SUCCEEDED, FAILED or STOPPED."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            job = self.request("GET", f"/v1/jobs/{job_id}")[1]
+            if job["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
+                return job
+            time.sleep(0.5)
+        raise TimeoutError(f"{job_id} still {job['status']}")
+
     def request(self, method, path, body=None, *, token=True, headers=None, timeout=30,
                 data=None):
         """(status, parsed JSON or text). ``data``: raw bytes instead of a JSON body."""

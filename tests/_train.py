@@ -71,16 +71,13 @@ def reference_optimizers(muon, others, adjust_lr_fn=None) -> list:
                               eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
 
 
-def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
-    """Single process, whole global batch: torch.optim.Muon with a float64 NS + AdamW."""
-    model = build_model(get_config(config), dtype=torch.float64, seed=0)
-    opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],
-                                [p for n, p in model.named_parameters()
-                                 if not muon_predicate(n, p)], adjust_lr_fn)
+def reference_train(model, opts, batches) -> tuple[dict, list[float]]:
+    """Train ``model`` in one process with ``opts`` (each under the tests' LR schedule),
+    Newton-Schulz in float64; returns its final state dict and the losses."""
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
     losses = []
     with reference_ns():
-        for batch in batches or global_batches(steps):
+        for batch in batches:
             loss = loss_of(model, batch)
             loss.backward()
             for o in opts:
@@ -91,6 +88,15 @@ def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
                 o.zero_grad()
             losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+
+
+def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
+    """Single process, whole global batch: torch.optim.Muon with a float64 NS + AdamW."""
+    model = build_model(get_config(config), dtype=torch.float64, seed=0)
+    opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],
+                                [p for n, p in model.named_parameters()
+                                 if not muon_predicate(n, p)], adjust_lr_fn)
+    return reference_train(model, opts, batches or global_batches(steps))
 
 
 def build_dmuon(mesh, z3: bool, *, replicate_mesh=None, fsdp_mesh=None, config="tiny",

@@ -12,7 +12,6 @@ Without Ray: the 0001 -> 0002 migration, the reason's sanitising, Ray's worker e
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import requests
@@ -71,16 +70,6 @@ DRY = {"name": "dry", "model": "tiny", "steps": 4, "batch_size": 2, "seq_len": 3
        "layout": {"replicate": 2, "shard": 2}}
 
 
-def _wait_ended(svc, job_id, timeout=300) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        job = svc.request("GET", f"/v1/jobs/{job_id}")[1]
-        if job["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return job
-        time.sleep(0.5)
-    raise TimeoutError(f"{job_id} still {job['status']}")
-
-
 @pytest.fixture(scope="module")
 def failed(tmp_path_factory):
     """(service, failed job id, dry-run job id), the failed job ended."""
@@ -99,7 +88,7 @@ def failed(tmp_path_factory):
         assert status == 201, job
         status, dry = svc.request("POST", "/v1/jobs", {"spec": DRY, "dry_run": True})
         assert status == 201, dry
-        _wait_ended(svc, job["id"])
+        svc.wait_ended(job["id"])
         yield svc, job["id"], dry["id"]
 
 

@@ -17,8 +17,8 @@ from _train import (
     local_rows,
     loss_of,
     lr_lambda,
-    reference_ns,
     reference_optimizers,
+    reference_train,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -89,16 +89,7 @@ def reference():
     attn, mlp, rest = (g["params"] for g in _groups(model))
     opts = reference_optimizers([{"params": attn, "weight_decay": 0.0},
                                  {"params": mlp, "lr": H["lr"] / 2}], rest)
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
-    with reference_ns():
-        for batch in global_batches(STEPS):
-            loss_of(model, batch).backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
-            for s in scheds:
-                s.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_train(model, opts, global_batches(STEPS))[0]
 
 
 def test_groups_match_torch_muon_with_the_same_groups(results):

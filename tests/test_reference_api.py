@@ -26,9 +26,9 @@ from _train import (
     local_rows,
     loss_of,
     lr_lambda,
-    reference_ns,
     reference_optimizers,
     reference_run,
+    reference_train,
 )
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -74,16 +74,7 @@ def _named_reference():
                                  {"params": muon(False), "weight_decay": 0.0}],
                                 [{"params": adamw(True), "lr": 0.01},
                                  {"params": adamw(False), "lr": 2e-3}])
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
-    with reference_ns():
-        for batch in global_batches(STEPS):
-            loss_of(model, batch).backward()
-            for o in opts:
-                o.step()
-                o.zero_grad()
-            for s in scheds:
-                s.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return reference_train(model, opts, global_batches(STEPS))[0]
 
 
 def _gradients(layout):

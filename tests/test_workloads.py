@@ -20,7 +20,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -47,16 +46,6 @@ def svc(tmp_path_factory):
     service.data = data
     with service.serving():
         yield service
-
-
-def _wait(svc, job_id, timeout=300) -> dict:
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        job = svc.request("GET", f"/v1/jobs/{job_id}")[1]
-        if job["status"] in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return job
-        time.sleep(0.5)
-    raise TimeoutError(f"{job_id} still {job['status']}")
 
 
 def _exported(svc, job_id) -> dict:
@@ -90,7 +79,7 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
         "checkpoint": {"interval": 4, "keep_last": 1}}})
     assert status == 201, job
     JOBS[name] = job["id"]
-    done = _wait(svc, job["id"])
+    done = svc.wait_ended(job["id"])
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
     got, want = _exported(svc, job["id"]), reference_run(config)
     assert set(got) == set(want)
@@ -171,7 +160,7 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
     proc = _cli(svc, "submit", "job.yaml", "--working-dir", ".", cwd=USER_DIR)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split()[0]
-    done = _wait(svc, job_id)
+    done = svc.wait_ended(job_id)
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
     part = svc.request("GET", f"/v1/jobs/{job_id}/partition")[1]
     _user_model_split(part)  # the plan the job completed (the service cannot import it)
