@@ -74,9 +74,28 @@ def main(argv=None) -> int:
         return 2
     import uvicorn
 
-    uvicorn.run("service.api.app:create_app", factory=True, host=args.host, port=args.port,
-                log_level=args.log_level)
+    # bound before the app starts its local Ray head, whose processes take ports of
+    # their own: the chosen port is then this service's, whatever Ray picks
+    sock = _bound_socket(args.host, args.port)
+    config = uvicorn.Config("service.api.app:create_app", factory=True, host=args.host,
+                            port=args.port, log_level=args.log_level)
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _bound_socket(host: str, port: int):
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(f"dmuon-serve: cannot listen on {host}:{port}: {e.strerror}") from e
+    sock.set_inheritable(True)
+    return sock
 
 
 if __name__ == "__main__":
