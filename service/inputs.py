@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 from .spec import MAX_DATA_BYTES, JobSpec, SpecError
@@ -20,6 +21,8 @@ from .train.shards import ShardError, describe, match, max_token, split_part, wi
 
 BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
 META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
+MANIFEST = "dmuon_manifest.json"  # dmuon.checkpoint.MANIFEST: a committed checkpoint's
+STEP_DIR = re.compile(r"step_(\d+)")  # service.train.checkpoints names them step_NNNNNN
 
 
 def _under_root(root: str, relative: str, field: str) -> str:
@@ -159,11 +162,62 @@ def resolve_model(spec: JobSpec, root: str) -> tuple[dict, int | None]:
     return {"kind": "hf", "config": fields, "config_dir": where, "weights": weights}, vocab
 
 
-def resolve_inputs(spec: JobSpec, data_root: str) -> dict:
-    """``{"model": ..., "data": ...}`` with absolute paths, or SpecError naming the field."""
+def newest_checkpoint(root: str) -> str | None:
+    """The newest committed ``step_N`` directory under ``root`` (torch-free, as
+    ``service.train.checkpoints.latest_committed``), or None."""
+    if not os.path.isdir(root):
+        return None
+    done = sorted((d for d in os.listdir(root) if STEP_DIR.fullmatch(d)
+                   and os.path.isfile(os.path.join(root, d, MANIFEST))),
+                  key=lambda d: int(STEP_DIR.fullmatch(d).group(1)))
+    return os.path.join(root, done[-1]) if done else None
+
+
+def _resume_path(value: str, data_root: str, storage: str | None) -> str:
+    """A ``resume_from`` path: relative to the data root, or absolute under the data root
+    or the storage root."""
+    path = os.path.realpath(os.path.join(data_root, value))
+    roots = [os.path.realpath(r) for r in (data_root, storage) if r]
+    if not any(os.path.commonpath([r, path]) == r for r in roots):
+        raise SpecError(f"checkpoint.resume_from: {value!r} is outside the data root and "
+                        "the storage root")
+    if not os.path.isdir(path):
+        raise SpecError(f"checkpoint.resume_from: no directory {value!r}")
+    return path
+
+
+def resolve_resume(spec: JobSpec, data_root: str, storage: str | None) -> str | None:
+    """The committed checkpoint ``checkpoint.resume_from`` names, absolute: a job id's
+    newest in ``<storage>/<id>/dcp``; a path's own (a checkpoint, a directory of them, a
+    job directory). SpecError naming the field when there is none."""
+    value = spec.checkpoint.resume_from
+    if value is None:
+        return None
+    if "/" not in value:  # a job id (the spec allows no other form without a '/')
+        if storage is None or not os.path.isdir(os.path.join(storage, value)):
+            raise SpecError(f"checkpoint.resume_from: no job {value!r} in the storage root")
+        found = newest_checkpoint(os.path.join(storage, value, "dcp"))
+    else:
+        path = _resume_path(value, data_root, storage)
+        found = path if os.path.isfile(os.path.join(path, MANIFEST)) else \
+            newest_checkpoint(path) or newest_checkpoint(os.path.join(path, "dcp"))
+    if found is None:
+        raise SpecError(f"checkpoint.resume_from: {value!r} holds no committed checkpoint")
+    step = STEP_DIR.fullmatch(os.path.basename(found))
+    if step and int(step.group(1)) >= spec.steps:
+        raise SpecError(f"checkpoint.resume_from: {value!r} is at step {int(step.group(1))}, "
+                        f"steps is {spec.steps}: nothing left to train")
+    return found
+
+
+def resolve_inputs(spec: JobSpec, data_root: str, storage: str | None = None) -> dict:
+    """``{"model": ..., "data": ..., "resume_from": ...}`` with absolute paths, or
+    SpecError naming the field. ``storage``: the job directories' root (job ids in
+    ``checkpoint.resume_from``)."""
     model, model_vocab = resolve_model(spec, data_root)
     data = resolve_data(spec, data_root)
     if model_vocab is not None and data["vocab"] > model_vocab:
         raise SpecError(f"data.source: the data's vocabulary has {data['vocab']} ids, the "
                         f"model's vocab_size is {model_vocab}")
-    return {"model": model, "data": data}
+    return {"model": model, "data": data,
+            "resume_from": resolve_resume(spec, data_root, storage)}

@@ -4,11 +4,14 @@ warmup then cosine to 10%, fp32 masters)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from .spec_types import DtypeName, Regex, StrictModel
+from .spec_types import DtypeName, Regex, StrictModel, text
+
+JOB_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # the store's ids (service.api.guard.JOB_ID)
 
 
 class ScheduleSpec(StrictModel):
@@ -61,6 +64,21 @@ class CheckpointSpec(StrictModel):
                                       "<storage>/<job id>/dcp; the final step is always "
                                       "checkpointed when interval > 0")
     keep_last: int = Field(2, ge=0, le=1 << 20, description="0: keep every checkpoint")
+    resume_from: text(512, 1) | None = Field(
+        None, description="a job id (its newest committed checkpoint in <storage>/<id>/dcp) "
+        "or a path with a '/' (a checkpoint, a directory of them, or a job directory, under "
+        "the data root or the storage root): weights, optimizer state and step, on any "
+        "layout; the job's own checkpoints, once it has any, come first")
+
+    @field_validator("resume_from")
+    @classmethod
+    def _job_or_path(cls, v: str | None):
+        if v is not None and "/" not in v and not re.fullmatch(JOB_ID, v):
+            raise ValueError("a job id (letters, digits, '_', '.', '-') or a path with a '/'")
+        if v is not None and ".." in v.split("/"):
+            raise ValueError("a path without '..'")
+        return v
+
 
 
 class CompileSpec(StrictModel):

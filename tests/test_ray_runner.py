@@ -129,6 +129,12 @@ def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_roo
     assert second == [5, 6, 7, 8]
     for key, value in baseline[1].items():
         assert torch.equal(params[key], value), key
+    # each checkpoint stored once: in the job's dcp/, none in Ray Train's run directory
+    # (<storage>/<job>, the same directory) or anywhere else under the storage root
+    held = sorted(os.path.relpath(d, storage) for d, _, files in os.walk(storage)
+                  if any(f.endswith(".distcp") or f == "dmuon_manifest.json" for f in files))
+    assert held == [f"{job}/dcp/step_00000{s}" for job in ("baseline", "faulty")
+                    for s in (4, 8)], held
 
 
 def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_path,

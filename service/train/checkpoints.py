@@ -46,14 +46,11 @@ def save(spec: JobSpec, root: str, step: int, model, opt) -> str:
     return path
 
 
-def resume(model, opt, root: str | None, fallback=None) -> int:
-    """Resume from the newest committed checkpoint. Ray Train's latest registered one
-    (``fallback``) can lag behind it: a report still in flight when a worker dies is lost."""
-    path = latest_committed(root)
-    if path is not None:
-        return dmuon.checkpoint.load(path, model, opt)["step"]
-    checkpoint = fallback() if fallback else None
-    if checkpoint is None:
+def resume(model, opt, root: str | None, resume_from: str | None = None) -> int:
+    """Load the newest committed checkpoint of this job (``root``: a restart after a
+    failure), else the one ``checkpoint.resume_from`` resolved to (another job's, on any
+    layout); returns its step (0: neither, a fresh start)."""
+    path = latest_committed(root) or resume_from
+    if path is None:
         return 0
-    with checkpoint.as_directory() as path:
-        return dmuon.checkpoint.load(path, model, opt)["step"]
+    return dmuon.checkpoint.load(path, model, opt)["step"]

@@ -128,7 +128,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             inputs: dict | None = None, return_params: str | None = None,
             post_url: str | None = None, token: str | None = None, export_only=False):
     """Fit a TorchTrainer on the layout; returns (ray Result, layout, last step reported)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from . import loop as train
@@ -137,7 +137,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     failure_file = failure_path(storage, job_id, export_only)
     with contextlib.suppress(FileNotFoundError):  # a reason from an earlier run of this id
         os.remove(failure_file)
-    inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"))
+    inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"), storage)
     plan = plan_to_run(spec, plan, inputs["model"])
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
@@ -159,8 +159,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
                                  else "gloo", timeout_s=120),
         run_config=RunConfig(
             name=f"{job_id}-export" if export_only else job_id, storage_path=storage,
+            # checkpoints are stored once, in <job>/dcp, never handed to Ray Train: a
+            # restarted group resumes from the newest committed one there
             failure_config=FailureConfig(max_failures=spec.max_failures),
-            checkpoint_config=CheckpointConfig(num_to_keep=spec.checkpoint.keep_last or None),
             callbacks=[metrics],
         ),
     )
@@ -236,7 +237,7 @@ def _inputs(args) -> tuple:
         with open(args.plan) as fh:
             plan = json.load(fh)
     storage = os.path.abspath(args.storage)
-    inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"))
+    inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"), storage)
     token = None
     if args.token_file:
         with open(args.token_file) as fh:

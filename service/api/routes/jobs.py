@@ -86,7 +86,8 @@ def submit(body: JobSubmission, request: Request, response: Response,
         model_inputs = _model_inputs(request, body.spec)
     else:  # every path and size, before anything is stored
         try:
-            model_inputs = resolve_inputs(body.spec, state.settings.data_dir())["model"]
+            model_inputs = resolve_inputs(body.spec, state.settings.data_dir(),
+                                          state.settings.storage)["model"]
             if body.spec.working_dir is not None:
                 runtime_working_dir(state.settings.storage, body.spec.working_dir)
         except (SpecError, PackageError) as e:
