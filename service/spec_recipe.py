@@ -80,7 +80,6 @@ class CheckpointSpec(StrictModel):
         return v
 
 
-
 class CompileSpec(StrictModel):
     """``torch.compile`` per block, as torchtitan applies it (after activation
     checkpointing, before DMuon and FSDP2): each block compiled in place
@@ -116,6 +115,8 @@ class MetricsSpec(StrictModel):
     peak_tflops: float | None = Field(
         None, gt=0, le=1e6, description="per worker, for MFU (default: the GPU's dense "
                                         "bf16 peak when known; none on CPUs)")
+    tensorboard: bool = Field(True, description="per-step scalars as TensorBoard event "
+                                                "files under <storage>/<job>/tensorboard")
 
 
 class DMuonSpec(StrictModel):

@@ -13,9 +13,11 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from _faults import installed
+from _tensorboard import event_files, scalars
 
 from service.local_ray import RAY, LocalRayHead
 from service.spec import parse_spec
@@ -83,6 +85,17 @@ def _records(storage, job_id):
         return [json.loads(line) for line in fh]
 
 
+def _tensorboard_loss(storage, job_id):
+    """(step, loss) from the job's event file, and the mean loss of the first complete
+    set of records of each step in the spool (float32, as TensorBoard keeps scalars)."""
+    got = scalars(os.path.join(storage, job_id, "tensorboard"))
+    first: dict[int, dict[int, float]] = {}
+    for rec in _records(storage, job_id):
+        first.setdefault(rec["step"], {}).setdefault(rec["rank"], rec["loss"])
+    expect = [(s, float(np.float32(np.mean(list(first[s].values()))))) for s in sorted(first)]
+    return [(s, v) for s, v, _ in got["loss"]], expect
+
+
 def _run(storage, data_root, job_id, fault=None):
     from service.inputs import resolve_inputs
     from service.train.entrypoint import run_job
@@ -101,7 +114,7 @@ def baseline(head, storage, data_root):
     return _run(storage, data_root, "baseline")
 
 
-def test_trainer_learns_and_reports_every_rank(baseline):
+def test_trainer_learns_and_reports_every_rank(baseline, storage):
     records, _ = baseline
     steps = sorted({r["step"] for r in records})
     assert steps == list(range(1, 9))
@@ -114,6 +127,8 @@ def test_trainer_learns_and_reports_every_rank(baseline):
     assert val and val[0] <= math.log(256) - 0.3, val
     coords = {r["rank"]: tuple(r["coord"]) for r in records}
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
+    got, expect = _tensorboard_loss(storage, "baseline")  # the controller's event file
+    assert got == expect and [s for s, _ in got] == steps
 
 
 def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_root):
@@ -127,6 +142,11 @@ def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_roo
     assert first == list(range(1, len(first) + 1)) and len(first) <= 5
     assert {r["resumed_from"] for r in records if r["resumed_from"] > 0} == {4}
     assert second == [5, 6, 7, 8]
+    # the event file has each step the spool has, once (a report lost in flight, as
+    # step 4's was in one run here, is in neither)
+    got, expect = _tensorboard_loss(storage, "faulty")
+    assert got == expect and [s for s, _ in got] == sorted({r["step"] for r in records})
+    assert len(event_files(os.path.join(storage, "faulty", "tensorboard"))) == 1
     for key, value in baseline[1].items():
         assert torch.equal(params[key], value), key
     # each checkpoint stored once: in the job's dcp/, none in Ray Train's run directory

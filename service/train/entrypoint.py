@@ -45,7 +45,7 @@ from ..planner import (  # noqa: E402
     predict,
 )
 from ..spec import SpecError, load_spec  # noqa: E402
-from . import failure  # noqa: E402
+from . import failure, tracking  # noqa: E402
 from .params import ParamRuleError  # noqa: E402
 
 
@@ -162,7 +162,8 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             # checkpoints are stored once, in <job>/dcp, never handed to Ray Train: a
             # restarted group resumes from the newest committed one there
             failure_config=FailureConfig(max_failures=spec.max_failures),
-            callbacks=[metrics],
+            callbacks=[metrics, *tracking.callbacks(spec, job_dir, scaling["num_workers"],
+                                                    export_only)],
         ),
     )
     result = trainer.fit()
