@@ -14,26 +14,31 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
     dmuon.fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.02, ...)                      # torch.optim.Optimizer
 
-- ``dedicate_params(model, mesh, *, predicate, replicate_mesh=None,
+- ``dedicate_params(model, mesh, predicate, *, replicate_mesh=None,
   reshard_after_forward=True, hook_boundary_predicate=None, hook_boundary_strict=True,
-  mp_policy=None, prefetch=1)``; the model may be on the meta device, then
-  ``materialize(model, seed=..., init_fn=None)`` allocates and initialises it.
+  mp_policy=None, compute_dtype=None, prefetch=1)``; the model may be on the meta device,
+  then ``materialize(model, seed=..., init_fn=None)`` allocates and initialises it.
+  ``dedicate_params_ddp(model, mesh, predicate)`` + ``replicate(model)``: the DDP
+  composition (the R x 1 layout).
 - ``fully_shard(module, **fsdp_kwargs)``: FSDP2's, with the dedicated params in
   ``ignored_params`` (or pass ``ignored_params=dmuon.ignored_params(model)`` yourself).
 - ``partition(model, *, predicate, shard_size, replicate_size=1, ...)``: the same plan
   without a process group (meta-device models).
 - ``get_plan(model)``: the ``DedicationPlan`` (owner per FQN, elements and NS FLOPs per
-  rank, imbalance, ``table()``).
-- ``Muon(model_or_param_groups, ...)``: Muon on owned matrices, ``torch.optim.AdamW``
-  for the rest.
+  rank, imbalance, ``table()``; also a mapping param -> owner rank);
+  ``get_dedicated_params(model)``, ``get_owned_params(model, rank)``.
+- ``Muon(model_or_param_groups, ..., param_groups=None, skip_nonfinite=True)``: Muon on
+  owned matrices, ``torch.optim.AdamW`` for the rest; ``zero_grad`` drops every gradient
+  DMuon holds for the step; a non-finite step is skipped on every rank.
 - ``newton_schulz(G, steps, backend="gram", coefficients, dtype, restart=True,
   gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``.
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
-- ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model,
-  max_norm)``.
+- ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model or
+  optimizer, max_norm)``; ``wait_all_reduces(model)``.
 - ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
   ``checkpoint.get_state_dict/set_state_dict``: sharded DCP checkpoints that load on any
-  layout.
+  layout; ``get/set_model_state_dict``, ``get/set_optimizer_state_dict``:
+  torch.distributed.checkpoint.state_dict's, full or sharded (docs/migration.md).
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
