@@ -277,12 +277,17 @@ def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     for name, value in env.items():
         monkeypatch.setenv(name, value or "from-a-secret")
     monkeypatch.setenv("DMUON_DB", str(tmp_path / "db.sqlite"))  # the PVC's path is not here
-    ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(kw, app=app))
+    ran = {}  # what main would bind and serve (nothing binds here: 0.0.0.0 is no loopback)
+    monkeypatch.setattr(service.api.serve, "_bound_socket",
+                        lambda host, port: ran.update(bound=(host, port)) or "socket")
+    monkeypatch.setattr(uvicorn.Server, "run",
+                        lambda self, sockets=None: ran.update(config=self.config,
+                                                              sockets=sockets))
     assert service.api.serve.main([]) == 0
-    port = container["ports"][0]
-    assert ran["port"] == port["containerPort"] == service.api.serve.DEFAULT_PORT
-    assert ran["host"] == "0.0.0.0" and ran["app"] == "service.api.app:create_app"
+    port, config = container["ports"][0], ran["config"]
+    assert config.port == port["containerPort"] == service.api.serve.DEFAULT_PORT
+    assert config.host == "0.0.0.0" and config.app == "service.api.app:create_app"
+    assert ran["bound"] == ("0.0.0.0", config.port) and ran["sockets"] == ["socket"]
     assert svc["spec"]["ports"][0]["targetPort"] == port["name"]
     app = create_app()
     routes = {path: {m.upper() for m in ops} for path, ops in app.openapi()["paths"].items()}

@@ -123,6 +123,26 @@ def test_the_first_failing_ranks_exception_is_the_jobs_reason(failed):
     assert summary["summary"]["reason"]["rank"] == FAIL_RANK
 
 
+def test_status_and_follow_print_the_reason(failed):
+    """``dmuon-svc status JOB`` and the follower ``submit --follow`` runs, on the real
+    failed job (its event stream ends at once: the job is over)."""
+    import os
+    import subprocess
+    import sys
+
+    svc, job_id, _ = failed
+    env = {**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
+    line = f"FAILED: RuntimeError: boom (rank {FAIL_RANK}, step {FAIL_STEP})"
+    status = subprocess.run([sys.executable, "-m", "service.cli", "status", job_id],
+                            capture_output=True, text=True, timeout=120, env=env)
+    assert status.returncode == 0 and line in status.stdout, status.stderr
+    follow = subprocess.run(
+        [sys.executable, "-c", "import sys; from service.cli import follow; "
+         f"sys.exit(0 if follow({job_id!r}, {SPEC['steps']}) == 'FAILED' else 1)"],
+        capture_output=True, text=True, timeout=120, env=env)
+    assert follow.returncode == 0 and f"{job_id}: {line}" in follow.stdout, follow.stderr
+
+
 def test_the_store_keeps_the_reason_and_marks_the_dry_run(failed):
     from service.api.store import JobStore
 
