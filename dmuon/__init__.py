@@ -16,8 +16,10 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 
 - ``dedicate_params(model, mesh, predicate, *, replicate_mesh=None,
   reshard_after_forward=True, hook_boundary_predicate=None, hook_boundary_strict=True,
-  mp_policy=None, compute_dtype=None, prefetch=1)``; the model may be on the meta device,
-  then ``materialize(model, seed=..., init_fn=None)`` allocates and initialises it.
+  mp_policy=None, compute_dtype=None, prefetch=1, plan=None)``; the model may be on the
+  meta device, then ``materialize(model, seed=..., init_fn=None)`` allocates and
+  initialises it. ``plan``: a stored ``DedicationPlan`` (or its ``to_dict()``) to apply
+  instead of partitioning, refused with ``PlanMismatch`` when the model or mesh differs.
   ``dedicate_params_ddp(model, mesh, predicate)`` + ``replicate(model)``: the DDP
   composition (the R x 1 layout).
 - ``fully_shard(module, **fsdp_kwargs)``: FSDP2's, with the dedicated params in
@@ -63,7 +65,7 @@ from .grads import clip_grad_norm_, no_sync
 from .init import init_weights, materialize, unit_seed
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .optim import Muon
-from .partition import Assignment, DedicationPlan, partition
+from .partition import Assignment, DedicationPlan, PlanMismatch, partition
 from .state import (
     get_dedicated_params,
     get_owned_params,
@@ -97,6 +99,7 @@ __all__ = [
     "MEMORY_KINDS",
     "Muon",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "PlanMismatch",
     "YOU_COEFFICIENTS",
     "checkpoint",
     "clip_grad_norm_",

@@ -19,7 +19,7 @@ from torch import nn
 from . import comm
 from .buffers import Boundary, Member
 from .hooks import BoundaryHooks
-from .partition import DedicationPlan, partition
+from .partition import DedicationPlan, check_plan, model_entries, plan_from_shapes
 from .reduce import GradientReduce
 from .state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
 from .state_dict import install_state_dict_guard
@@ -167,6 +167,17 @@ def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> N
         state.boundaries.append(b)
 
 
+def _plan_to_run(stored, entries: list, shard_size: int, replicate_size: int):
+    """The stored plan, checked against the model and mesh (a copy: ``dedicate_params``
+    fills in TP modes and binds params), else a new partition."""
+    if stored is None:
+        return plan_from_shapes(entries, shard_size, replicate_size)
+    plan = DedicationPlan.from_dict(
+        stored.to_dict() if isinstance(stored, DedicationPlan) else stored)
+    check_plan(plan, entries, shard_size, replicate_size)
+    return plan
+
+
 def dedicate_params(
     model: nn.Module,
     mesh,
@@ -179,6 +190,7 @@ def dedicate_params(
     mp_policy=None,
     compute_dtype: torch.dtype | None = None,
     prefetch: int = 1,
+    plan: DedicationPlan | dict | None = None,
 ) -> DedicationPlan:
     """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
 
@@ -188,8 +200,12 @@ def dedicate_params(
     forward (and, in Z3, the backward) issues all-gathers. A model on the meta device is
     planned and laid out without values; ``dmuon.materialize`` then creates them.
     ``compute_dtype`` (the reference's name) is ``mp_policy=MixedPrecisionPolicy(
-    param_dtype=compute_dtype)``. The plan returned is also a read-only mapping from each
-    dedicated ``nn.Parameter`` to its owner's global rank.
+    param_dtype=compute_dtype)``. ``plan`` (a ``DedicationPlan`` or its ``to_dict()``,
+    e.g. one stored by a planner): apply its owners instead of partitioning; a plan for
+    another mesh, or whose units, shapes or boundaries differ from the model's, is
+    refused (``PlanMismatch``, naming the first differing FQN) before any collective.
+    The plan returned is also a read-only mapping from each dedicated ``nn.Parameter``
+    to its owner's global rank.
     """
     if hasattr(model, STATE_ATTR):
         raise RuntimeError("dedicate_params was already called on this model")
@@ -197,12 +213,9 @@ def dedicate_params(
         raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     _check_not_fully_sharded(model)
     mp_policy = _policy(mp_policy, compute_dtype)
-    plan = partition(
-        model, predicate=predicate, shard_size=mesh.size(),
-        replicate_size=replicate_mesh.size() if replicate_mesh is not None else 1,
-        hook_boundary_predicate=hook_boundary_predicate,
-        hook_boundary_strict=hook_boundary_strict,
-    )
+    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
+    plan = _plan_to_run(plan, entries, mesh.size(),
+                        replicate_mesh.size() if replicate_mesh is not None else 1)
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
     state.mp_policy = mp_policy

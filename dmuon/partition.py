@@ -151,6 +151,19 @@ class DedicationPlan(Mapping):
             },
         }
 
+    @classmethod
+    def from_dict(cls, stored: Mapping) -> DedicationPlan:
+        """The plan ``to_dict`` wrote (a stored plan, read back from JSON)."""
+        plan = cls(int(stored["shard_size"]), int(stored["replicate_size"]))
+        for unit, a in stored["params"].items():
+            experts = a.get("experts")
+            plan.params[unit] = Assignment(
+                fqn=unit, shape=tuple(a["shape"]), boundary=a["boundary"],
+                owner=int(a["owner"]), owner_coord=tuple(a["owner_coord"]),
+                numel=int(a["numel"]), ns_flops=int(a["ns_flops"]), tp=a.get("tp"),
+                param=a.get("param") or unit, experts=tuple(experts) if experts else None)
+        return plan
+
     def table(self) -> str:
         """Per-rank ownership table as printed by the demo and the CLI."""
         per_rank, flops = self.elements_per_rank, self.ns_flops_per_rank
@@ -255,23 +268,29 @@ def expert_units(fqn: str, shape, slots: int) -> list[tuple[str, tuple, tuple[in
             for lo, hi in zip(bounds, bounds[1:])]
 
 
+def plan_units(entries: list[tuple[str, tuple[int, ...], str]], slots: int) -> list[tuple]:
+    """(unit, shape, boundary, param fqn, experts) in registration order: a 3-D param
+    becomes its slices of experts, each a unit of the partition."""
+    units = []
+    for fqn, shape, boundary in entries:
+        if len(shape) == 3:
+            units += [(u, s, boundary, fqn, r) for u, s, r in expert_units(fqn, shape, slots)]
+        else:
+            units.append((fqn, tuple(shape), boundary, fqn, None))
+    return units
+
+
 def plan_from_shapes(
     entries: list[tuple[str, tuple[int, ...], str]],
     shard_size: int,
     replicate_size: int = 1,
     ns_steps: int = 5,
 ) -> DedicationPlan:
-    """Plan from (fqn, shape, boundary) triples in registration order. 3-D params are
-    split into slices of experts, each a unit of the partition."""
+    """Plan from (fqn, shape, boundary) triples in registration order."""
     if shard_size < 1 or replicate_size < 1:
         raise ValueError(f"shard_size={shard_size}, replicate_size={replicate_size} must be >= 1")
     slots = shard_size * replicate_size
-    units = []  # (unit, shape, boundary, param fqn, experts)
-    for fqn, shape, boundary in entries:
-        if len(shape) == 3:
-            units += [(u, s, boundary, fqn, r) for u, s, r in expert_units(fqn, shape, slots)]
-        else:
-            units.append((fqn, tuple(shape), boundary, fqn, None))
+    units = plan_units(entries, slots)
     numels = {u[0]: _numel(u[1]) for u in units}
     flops = {u[0]: ns_flops(u[1], ns_steps) for u in units}
     owners = lpt_assign([(u[0], flops[u[0]], numels[u[0]], u[2]) for u in units], slots)
@@ -286,6 +305,19 @@ def plan_from_shapes(
     return plan
 
 
+def model_entries(model: nn.Module, predicate, hook_boundary_predicate=None,
+                  hook_boundary_strict: bool = True) -> list[tuple[str, tuple, str]]:
+    """(fqn, shape, hook boundary) of each Muon-target param, in registration order."""
+    entries = [
+        (name, tuple(p.shape), resolve_boundary(model, name, hook_boundary_predicate,
+                                                 hook_boundary_strict))
+        for name, p in select_params(model, predicate)
+    ]
+    if not entries:
+        raise ValueError("predicate selected no parameters for DMuon")
+    return entries
+
+
 def partition(
     model: nn.Module,
     *,
@@ -296,14 +328,52 @@ def partition(
     hook_boundary_strict: bool = True,
 ) -> DedicationPlan:
     """The plan ``dedicate_params`` would make, without a process group (meta models)."""
-    entries = [
-        (name, tuple(p.shape), resolve_boundary(model, name, hook_boundary_predicate,
-                                                 hook_boundary_strict))
-        for name, p in select_params(model, predicate)
-    ]
-    if not entries:
-        raise ValueError("predicate selected no parameters for DMuon")
+    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
     return plan_from_shapes(entries, shard_size, replicate_size)
+
+
+class PlanMismatch(ValueError):
+    """A stored plan that does not describe the model or the mesh it is applied to."""
+
+
+def _first_difference(stored: list[tuple], live: list[tuple]) -> str | None:
+    """The first unit, in registration order, where the plan's (unit, shape, boundary)
+    list and the model's differ, described; None when they agree."""
+    names = {"plan": {u[0] for u in stored}, "model": {u[0] for u in live}}
+    for i in range(max(len(stored), len(live))):
+        s = stored[i] if i < len(stored) else None
+        m = live[i] if i < len(live) else None
+        if s == m:
+            continue
+        if s is not None and (m is None or s[0] not in names["model"]):
+            here = f" (the model has '{m[0]}' there)" if m is not None else ""
+            return f"'{s[0]}' is in the plan but is no Muon-target param of this model{here}"
+        if s is None or m[0] not in names["plan"]:
+            return f"'{m[0]}' is a Muon-target param of this model the plan does not list"
+        if s[0] != m[0]:
+            return f"'{m[0]}' comes at another position in the plan"
+        what, k = ("shape", 1) if s[1] != m[1] else ("hook boundary", 2)
+        return f"'{m[0]}': the plan's {what} is {s[k]!r}, this model's {m[k]!r}"
+    return None
+
+
+def check_plan(plan: DedicationPlan, entries: list[tuple], shard_size: int,
+               replicate_size: int) -> None:
+    """Refuse, naming the first mismatch, a stored plan for another mesh or model."""
+    if (plan.replicate_size, plan.shard_size) != (replicate_size, shard_size):
+        raise PlanMismatch(
+            f"the plan is for a {plan.replicate_size} x {plan.shard_size} (replicate x "
+            f"shard) mesh; this one is {replicate_size} x {shard_size}")
+    live = [(u, tuple(s), b) for u, s, b, *_ in plan_units(entries, plan.world_size)]
+    stored = [(a.fqn, tuple(a.shape), a.boundary) for a in plan.params.values()]
+    found = _first_difference(stored, live)
+    if found is not None:
+        raise PlanMismatch(f"the plan does not match the model: {found}")
+    for a in plan.params.values():
+        if not 0 <= a.owner < plan.world_size or \
+                a.owner_coord != divmod(a.owner, plan.shard_size):
+            raise PlanMismatch(f"'{a.fqn}': owner {a.owner} at {a.owner_coord} is not a "
+                               f"rank of a {replicate_size} x {shard_size} mesh")
 
 
 def _numel(shape) -> int:

@@ -24,6 +24,7 @@ import torch
 import dmuon
 
 from .mode_choice import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
+from .plan.document import Inventory, Layout, PlanDocument
 from .spec import JobSpec, SpecError, parse_spec
 from .train.dtypes import DTYPES
 from .train.mesh import fsdp2_rows
@@ -129,34 +130,34 @@ def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
     return n_nodes, R, N
 
 
-def check_fits(layout: dict, spec: JobSpec, nodes: list[NodeInfo]) -> None:
+def check_fits(layout: Layout, spec: JobSpec, nodes: list[NodeInfo]) -> None:
     """Refuse, with the reason, a stored layout that the cluster cannot hold now: its
     ``nodes`` nodes must each fit ``replicate * shard / nodes`` workers of the spec."""
-    world, wanted = layout["replicate"] * layout["shard"], layout["nodes"]
+    world, wanted = layout.world_size, layout.nodes
     per_node = -(-world // wanted)
     fitting = [n for n in nodes if _slots(n, spec) >= per_node]
     if len(fitting) < wanted:
         raise PlacementError(
-            f"the stored plan ({layout['replicate']} x {layout['shard']} on {wanted} "
+            f"the stored plan ({layout.replicate} x {layout.shard} on {wanted} "
             f"node(s), {per_node} workers of {spec.resources_per_worker.model_dump()} each) "
             f"no longer fits: {len(fitting)} of the cluster's {len(nodes)} alive node(s) "
             f"can hold {per_node} workers")
 
 
 def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
-                  model_inputs: dict | None = None) -> dict:
+                  model_inputs: dict | None = None) -> PlanDocument:
     """``_plan_document`` for this spec and cluster, computed once: submissions come in
     bursts of the same spec (retries, sweeps), and a plan builds a model."""
     key = (spec.model_dump_json(), repr(cluster), assumed_cpus, json.dumps(model_inputs))
     with _PLANS_LOCK:
         cached = _PLANS.get(key)
     if cached is None:
-        cached = json.dumps(_plan_document(spec, cluster, assumed_cpus, model_inputs))
+        cached = _plan_document(spec, cluster, assumed_cpus, model_inputs).model_dump_json()
         with _PLANS_LOCK:
             _PLANS[key] = cached
             while len(_PLANS) > 64:
                 _PLANS.pop(next(iter(_PLANS)))
-    return json.loads(cached)
+    return PlanDocument.model_validate_json(cached)
 
 
 _PLANS: dict[tuple, str] = {}
@@ -164,7 +165,7 @@ _PLANS_LOCK = threading.Lock()
 
 
 def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
-                   model_inputs: dict | None = None) -> dict:
+                   model_inputs: dict | None = None) -> PlanDocument:
     """The plan as stored with a job and run by its entrypoint: layout, per-rank
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
@@ -188,30 +189,26 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
     return placement_document(placement, inventory)
 
 
-def placement_document(placement: Placement, inventory: dict) -> dict:
-    return {
-        "layout": {"replicate": placement.replicate, "shard": placement.shard,
-                   "nodes": placement.nodes},
-        "inventory": inventory,
-        "modes": placement.modes.to_dict(),
-        "param_groups": placement.split,
-        "ranks": [r.__dict__ for r in placement.ranks],
-        "partition": placement.plan.to_dict(),
-        "scaling": placement.scaling_config_kwargs(),
-    }
+def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
+    return PlanDocument(
+        layout=Layout(replicate=placement.replicate, shard=placement.shard,
+                      nodes=placement.nodes),
+        inventory=Inventory(**inventory), modes=placement.modes.to_dict(),
+        param_groups=placement.split, ranks=[r.__dict__ for r in placement.ranks],
+        partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
 
 
 def deferred_document(spec: JobSpec, layout: tuple[int, int, int], inventory: dict,
-                      reason: str) -> dict:
+                      reason: str) -> PlanDocument:
     """The layout alone, for a model only the job's own processes can import: the job's
     entrypoint completes the plan (partition, mode) once, before any worker starts, and
-    stores it with the job's files."""
+    stores it with the job."""
     n_nodes, R, N = layout
     placement = Placement(spec, n_nodes, R, N, None, [])
-    return {"layout": {"replicate": R, "shard": N, "nodes": n_nodes}, "inventory": inventory,
-            "deferred": f"the model cannot be built here ({reason}); the job plans it",
-            "modes": None, "param_groups": None, "ranks": [], "partition": None,
-            "scaling": placement.scaling_config_kwargs()}
+    return PlanDocument(
+        layout=Layout(replicate=R, shard=N, nodes=n_nodes), inventory=Inventory(**inventory),
+        deferred=f"the model cannot be built here ({reason}); the job plans it",
+        scaling=placement.scaling_config_kwargs())
 
 
 @dataclass
@@ -306,14 +303,11 @@ def _clip_bytes(spec: JobSpec, n: int, r: int, master: int) -> dict[str, Fractio
 
 def _model_and_plan(spec: JobSpec, model_inputs: dict | None, R: int, N: int):
     """(model on meta, its Muon/AdamW split, the partition) as the workers will make them."""
-    from .train.build import build_on_meta
-    from .train.params import split_params
+    from .train.build import prepare_on_meta
 
-    model = build_on_meta(spec, model_inputs or {"kind": "builtin"},
-                          DTYPES[spec.precision.master_dtype])
-    split = split_params(model, muon_params=spec.dmuon.muon_params,
-                         adamw_params=spec.dmuon.adamw_params,
-                         hook_boundaries=spec.dmuon.hook_boundaries)
+    prepared = prepare_on_meta(spec, model_inputs or {"kind": "builtin"},
+                               DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
     plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
                            hook_boundary_predicate=split.boundary_predicate(model))
     return model, split, plan

@@ -167,7 +167,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
     spec.write_text(json.dumps(data))
     plan = plan_document(parse_spec({**data, "layout": {"replicate": 1, "shard": 4}}),
                          None, 4)
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     env = {**os.environ, "RAY_ADDRESS": head.dashboard}
     runtime_env = {"excludes": [".venv", ".git", "*.pt", "bench/results"]}
     proc = subprocess.run(
@@ -198,7 +198,7 @@ def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_
     spec.write_text(json.dumps(SPEC))
     plan = plan_document(parse_spec({**SPEC, "layout": {"nodes": 2, "workers_per_node": 2}}),
                          None, 4)  # planned on 2 assumed nodes; the head is 1 node
-    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "plan.json").write_text(plan.model_dump_json())
     proc = subprocess.run(
         [sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec), "--plan",
          str(tmp_path / "plan.json"), "--storage", str(tmp_path), "--data-root", data_root],

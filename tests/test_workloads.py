@@ -94,7 +94,7 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
         assert error <= 1e-9, (key, error)
     dcp = os.path.join(svc.env["DMUON_STORAGE"], job["id"], "dcp")
     assert sorted(os.listdir(dcp)) == ["step_000010"]  # every 4, the last kept, the final
-    part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
+    part = _ran_the_stored_partition(svc, job["id"])
     groups = part["param_groups"]
     assert set(groups["muon"]) | set(groups["adamw"]) == set(want)
     assert {k for k in want if ".layers." in k and want[k].ndim >= 2
@@ -128,27 +128,50 @@ def _spec_of_user_job() -> dict:
         return yaml.safe_load(fh)
 
 
-def _user_model_split(plan: dict) -> None:
+def _user_model_split(plan: dict, wrapped: str = "") -> None:
     groups = plan["param_groups"]
     assert sorted(groups["muon"]) == sorted(
-        f"transformer.h.{i}.{m}.weight" for i in range(2)
+        f"transformer.h.{i}.{wrapped}{m}.weight" for i in range(2)
         for m in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj"))
     assert groups["adamw_why"]["transformer.wte.weight"] == "outside the repeated blocks"
-    assert groups["adamw_why"]["transformer.h.0.c_fc.bias"] == "1-D"
+    assert groups["adamw_why"][f"transformer.h.0.{wrapped}c_fc.bias"] == "1-D"
+
+
+def _digest(part: dict) -> str:
+    """Who owns what on which mesh, hashed here as the workers report it."""
+    import hashlib
+
+    units = {u: [a["owner"], list(a["shape"]), a["boundary"]] for u, a in part["params"].items()}
+    text = json.dumps([part["replicate_size"], part["shard_size"], units], separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _ran_the_stored_partition(svc, job_id: str) -> dict:
+    """The stored partition, read back from the store, after checking that every rank's
+    every step ran it."""
+    part = svc.request("GET", f"/v1/jobs/{job_id}/partition")[1]
+    records = svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1]
+    assert records and {r["partition_digest"] for r in records} == {_digest(part)}, job_id
+    return part
+
+
+def _ray_submit(svc, args: list[str]) -> subprocess.CompletedProcess:
+    """``ray job submit`` of the entrypoint with the user model's directory."""
+    with open(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE)) as fh:
+        dashboard = f"http://127.0.0.1:{json.load(fh)['dashboard_port']}"
+    env = {"working_dir": USER_DIR, "env_vars": {"GLOO_SOCKET_IFNAME": "lo",
+                                                 "OMP_NUM_THREADS": "1"}}
+    return subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address",
+         dashboard, "--runtime-env-json", json.dumps(env), "--", sys.executable, "-m",
+         "service.train.entrypoint", *args], capture_output=True, text=True, timeout=400,
+        env={**os.environ, "RAY_ADDRESS": ""})
 
 
 def test_user_model_by_ray_job_submit(svc):
-    with open(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE)) as fh:
-        dashboard = f"http://127.0.0.1:{json.load(fh)['dashboard_port']}"
     storage = os.path.join(svc.root, "submitted")
-    env = {"working_dir": USER_DIR, "env_vars": {"GLOO_SOCKET_IFNAME": "lo",
-                                                 "OMP_NUM_THREADS": "1"}}
-    proc = subprocess.run(
-        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address",
-         dashboard, "--runtime-env-json", json.dumps(env), "--", sys.executable, "-m",
-         "service.train.entrypoint", "--spec", "job.yaml", "--storage", storage,
-         "--job-id", "by-ray-submit"], capture_output=True, text=True, timeout=400,
-        env={**os.environ, "RAY_ADDRESS": ""})
+    proc = _ray_submit(svc, ["--spec", "job.yaml", "--storage", storage,
+                             "--job-id", "by-ray-submit"])
     assert proc.returncode == 0 and '"status": "SUCCEEDED"' in proc.stdout, \
         proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(os.path.join(storage, "by-ray-submit", "plan.json")) as fh:
@@ -156,15 +179,24 @@ def test_user_model_by_ray_job_submit(svc):
     assert os.path.isfile(os.path.join(storage, "by-ray-submit", "export", "config.json"))
 
 
+WRAPPED = "_checkpoint_wrapped_module."  # checkpoint_wrapper's child
+
+
 def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
-    proc = _cli(svc, "submit", "job.yaml", "--working-dir", ".", cwd=USER_DIR)
+    """A factory the service cannot import, with activation checkpointing (which renames
+    its params): the job's entrypoint plans it once, the store keeps that plan, and the
+    workers run exactly it."""
+    proc = _cli(svc, "submit", "job_checkpointed.yaml", "--working-dir", ".", cwd=USER_DIR)
     assert proc.returncode == 0, proc.stderr
     job_id = proc.stdout.split()[0]
     done = svc.wait_ended(job_id)
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
-    part = svc.request("GET", f"/v1/jobs/{job_id}/partition")[1]
-    _user_model_split(part)  # the plan the job completed (the service cannot import it)
+    part = _ran_the_stored_partition(svc, job_id)
+    _user_model_split(part, WRAPPED)  # the plan the job completed, stored back
+    assert part["completed_by"] == "entrypoint" and part["deferred"]
     assert part["params"] and part["modes"]["dmuon"] == "z3"
+    assert all(WRAPPED in unit for unit in part["params"])
+    JOBS["user"] = job_id
     sys.path.insert(0, USER_DIR)
     try:
         from mymodels.gpt import build
@@ -177,6 +209,30 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
         assert r["mfu"] == pytest.approx(r["tokens_per_s"] * flops / 1e12, rel=1e-9)
     bad = svc.request("POST", "/v1/jobs", {"spec": {**spec, "working_dir": "pkg-" + "0" * 32}})
     assert bad[0] == 422 and bad[1]["detail"][0]["field"] == "spec.working_dir", bad
+
+
+def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc):
+    """The user job's stored plan with its units renamed as a plan made without activation
+    checkpointing would name them: every worker refuses it in ``dedicate_params``, before
+    any collective, and the job's reason names the first param that differs."""
+    storage = svc.env["DMUON_STORAGE"]
+    with open(os.path.join(storage, JOBS["user"], "plan.json")) as fh:
+        plan = json.load(fh)
+    params = plan["partition"]["params"]
+    plan["partition"]["params"] = {u.replace(WRAPPED, ""): {**a, "param": a["param"].replace(
+        WRAPPED, "")} for u, a in params.items()}
+    edited = os.path.join(svc.root, "edited_plan.json")
+    with open(edited, "w") as fh:
+        json.dump(plan, fh)
+    proc = _ray_submit(svc, ["--spec", "job_checkpointed.yaml", "--plan", edited,
+                             "--storage", os.path.join(svc.root, "edited"), "--job-id",
+                             "edited"])
+    first = next(iter(params))
+    summary, _ = json.JSONDecoder().raw_decode(proc.stdout, proc.stdout.rindex('{"summary"'))
+    reason = summary["summary"]["reason"]
+    assert reason["type"] == "PlanMismatch" and reason["phase"] == "setup", reason
+    assert f"'{first.replace(WRAPPED, '')}' is in the plan but is no Muon-target param " \
+           f"of this model (the model has '{first}' there)" in reason["message"], reason
 
 
 def _bad_specs(data: str) -> list[tuple[dict, str]]:

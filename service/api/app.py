@@ -102,7 +102,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.prometheus = system.registry_for(app.state.store)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(DBAPIError, _store_failed)
-    for router in (system.public, system.reads, jobs.admin, jobs.reads, metrics.job_posts,
+    for router in (system.public, system.reads, jobs.admin, jobs.reads, jobs.job_posts,
+                   metrics.job_posts,
                    metrics.reads, streams.reads, streams.admin, packages.admin):
         app.include_router(router)
     mount_dashboard(app)

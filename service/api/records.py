@@ -50,6 +50,7 @@ class StepRecord(BaseModel):
     time: Number = None
     coord: tuple[Count, Count] | None = Field(None, strict=False)
     resumed_from: Count | None = None
+    partition_digest: text(16) | None = None  # of the partition this rank runs
     node_id: text(128) | None = None
     node_ip: text(64) | None = None
 

@@ -187,6 +187,7 @@ class RayJobRunner:
             "--plan", os.path.join(job_dir, "plan.json"), "--storage", self.storage,
             "--data-root", self.data_root, "--job-id", job["id"],
             "--metrics-url", f"{self.service_url}/v1/jobs/{job['id']}/metrics",
+            "--plan-url", f"{self.service_url}/v1/jobs/{job['id']}/plan",
             "--token-file", token_file])
 
     def submit_export(self, job: dict) -> str:

@@ -133,6 +133,14 @@ class JobStore:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return _job(row) if row else None
 
+    def complete_plan(self, job_id: str, deferred: dict, plan: dict) -> bool:
+        """Store the plan a job's entrypoint completed in place of the deferred one it
+        was given; False if the stored plan is no longer ``deferred``."""
+        with self.writer.begin() as conn:
+            return conn.execute(
+                update(jobs).where(jobs.c.id == job_id, jobs.c.plan == json.dumps(deferred))
+                .values(plan=json.dumps(plan))).rowcount == 1
+
     def job_view(self, job_id: str) -> dict | None:
         """A job without its plan, with its status history: one read, one connection."""
         cols = [c for c in jobs.c if c.name != "plan"]

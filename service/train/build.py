@@ -5,6 +5,7 @@ per-block activation checkpointing."""
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 from ..spec import JobSpec
 from ..spec_model import builtin_config
 from .models import build_model, init_builtin
+from .params import ParamSplit, find_blocks, split_params
 
 
 def _hf_class_and_config(spec: JobSpec, model_inputs: dict, dtype: torch.dtype):
@@ -51,6 +53,27 @@ def build_on_meta(spec: JobSpec, model_inputs: dict, dtype: torch.dtype) -> nn.M
         raise TypeError(f"model.factory: {spec.model.factory} returned "
                         f"{type(model).__name__}, not an nn.Module")
     return model.to(dtype)
+
+
+@dataclass
+class PreparedModel:
+    """The model as DMuon and FSDP2 see it: its repeated blocks and its param split."""
+
+    model: nn.Module
+    blocks: list[str]
+    split: ParamSplit
+
+
+def prepare_on_meta(spec: JobSpec, model_inputs: dict, dtype: torch.dtype) -> PreparedModel:
+    """Build on meta, apply per-block activation checkpointing, split the params: the one
+    way the planner and the workers both make the model, so the FQNs the plan names are
+    the ones the workers see (``checkpoint_wrapper`` renames a factory model's)."""
+    model = build_on_meta(spec, model_inputs, dtype)
+    checkpoint_blocks(spec, model, find_blocks(model))
+    split = split_params(model, muon_params=spec.dmuon.muon_params,
+                         adamw_params=spec.dmuon.adamw_params,
+                         hook_boundaries=spec.dmuon.hook_boundaries)
+    return PreparedModel(model, find_blocks(model), split)
 
 
 def init_rule(spec: JobSpec, model: nn.Module):

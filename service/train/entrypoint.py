@@ -37,6 +37,7 @@ if not os.environ.get("RAY_ADDRESS"):
 from ray.train.v2.api.callback import UserCallback  # noqa: E402
 
 from ..inputs import resolve_inputs  # noqa: E402
+from ..plan.document import PlanDocument  # noqa: E402
 from ..planner import (  # noqa: E402
     PlacementError,
     check_fits,
@@ -71,17 +72,17 @@ class MetricsCallback(UserCallback):
             line["val_loss"] = records[0]["val_loss"]
         print(json.dumps(line), flush=True)
         if self.post_url:
-            _post(self.post_url, records, self.token)
+            _send(self.post_url, records, self.token)
 
 
-def _post(url: str, records: list[dict], token: str | None) -> None:
+def _send(url: str, body, token: str | None, method: str = "post") -> None:
     import requests
 
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        requests.post(url, json=records, headers=headers, timeout=5).raise_for_status()
+        requests.request(method, url, json=body, headers=headers, timeout=5).raise_for_status()
     except requests.RequestException as e:  # the spool keeps it; the service re-reads it
-        print(f"metrics post to {url} failed: {e}", file=sys.stderr)
+        print(f"{method} to {url} failed: {e}", file=sys.stderr)
 
 
 def connect_ray(num_cpus: int | None = None) -> None:
@@ -106,27 +107,28 @@ def connect_ray(num_cpus: int | None = None) -> None:
                  dashboard_host="127.0.0.1")
 
 
-def plan_to_run(spec, plan: dict | None, model_inputs: dict) -> dict:
+def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocument:
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
     nodes = inventory_from_ray()
     if plan is not None:
-        check_fits(plan["layout"], spec, nodes)
-        if plan.get("partition") is not None:
+        check_fits(plan.layout, spec, nodes)
+        if plan.complete:
             return plan
-        lay = plan["layout"]
+        lay = plan.layout
         placement = predict(spec, nodes, model_inputs=model_inputs,
-                            layout=(lay["nodes"], lay["replicate"], lay["shard"]))
-        return {**placement_document(placement, plan["inventory"]),
-                "completed_by": "entrypoint"}
+                            layout=(lay.nodes, lay.replicate, lay.shard))
+        completed = placement_document(placement, plan.inventory.model_dump())
+        return completed.model_copy(update={"completed_by": "entrypoint"})
     placement = predict(spec, nodes, model_inputs=model_inputs)
     return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
 
 
 def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             inputs: dict | None = None, return_params: str | None = None,
-            post_url: str | None = None, token: str | None = None, export_only=False):
+            post_url: str | None = None, token: str | None = None, export_only=False,
+            plan_url: str | None = None):
     """Fit a TorchTrainer on the layout; returns (ray Result, layout, last step reported)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -138,23 +140,22 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     with contextlib.suppress(FileNotFoundError):  # a reason from an earlier run of this id
         os.remove(failure_file)
     inputs = inputs or resolve_inputs(spec, os.path.join(storage, "data"), storage)
+    stored = plan
     plan = plan_to_run(spec, plan, inputs["model"])
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
-        json.dump(plan, fh)
-    layout, scaling = plan["layout"], plan["scaling"]
-    config = {"spec": spec.model_dump(mode="json"), "replicate": layout["replicate"],
-              "shard": layout["shard"], "checkpoint_dir": os.path.join(job_dir, "dcp"),
+        fh.write(plan.model_dump_json())
+    if plan_url and plan is not stored:  # completed here: the control plane stores it
+        _send(plan_url, plan.model_dump(mode="json"), token, method="put")
+    config = {"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
+              "checkpoint_dir": os.path.join(job_dir, "dcp"),
               "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
-              # plans stored before modes were planned run the spec's own mode
-              "modes": {k: plan["modes"][k] for k in ("dmuon", "fsdp")}
-              if plan.get("modes") else None,
               "return_params": return_params, "export_only": export_only,
               "failure_file": failure_file}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
-        scaling_config=ScalingConfig(**scaling),
+        scaling_config=ScalingConfig(**plan.scaling.model_dump()),
         torch_config=TorchConfig(backend="nccl" if spec.resources_per_worker.GPU
                                  else "gloo", timeout_s=120),
         run_config=RunConfig(
@@ -162,13 +163,13 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             # checkpoints are stored once, in <job>/dcp, never handed to Ray Train: a
             # restarted group resumes from the newest committed one there
             failure_config=FailureConfig(max_failures=spec.max_failures),
-            callbacks=[metrics, *tracking.callbacks(spec, job_dir, scaling["num_workers"],
+            callbacks=[metrics, *tracking.callbacks(spec, job_dir, plan.scaling.num_workers,
                                                     export_only)],
         ),
     )
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
-    return result, layout, _last_step(metrics.path)
+    return result, plan.layout, _last_step(metrics.path)
 
 
 def failure_path(storage: str, job_id: str, export_only: bool = False) -> str:
@@ -221,6 +222,8 @@ def _arguments(argv):
     ap.add_argument("--job-id", default=os.environ.get("DMUON_JOB_ID"))
     ap.add_argument("--num-cpus", type=int, default=None, help="local Ray only")
     ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
+    ap.add_argument("--plan-url", default=None,
+                    help="where to store a plan this entrypoint completes (the control plane)")
     ap.add_argument("--token-file", default=None,
                     help="the job's own token for its metric posts")
     ap.add_argument("--export-only", action="store_true",
@@ -236,7 +239,7 @@ def _inputs(args) -> tuple:
     plan = None
     if args.plan:
         with open(args.plan) as fh:
-            plan = json.load(fh)
+            plan = PlanDocument.model_validate_json(fh.read())
     storage = os.path.abspath(args.storage)
     inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"), storage)
     token = None
@@ -262,9 +265,10 @@ def main(argv=None) -> int:
         result, layout, last_step = run_job(
             spec, job_id=job_id, storage=os.path.abspath(args.storage), plan=plan,
             inputs=inputs, return_params=args.final_params,
-            post_url=args.metrics_url, token=token, export_only=args.export_only)
+            post_url=args.metrics_url, token=token, export_only=args.export_only,
+            plan_url=args.plan_url)
         # Ray Train's Result keeps metrics only with a checkpoint
-        summary.update(layout=[layout["replicate"], layout["shard"]], final_step=last_step)
+        summary.update(layout=[layout.replicate, layout.shard], final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error),
                            reason=failure_reason(result.error, failed))

@@ -14,24 +14,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon
 
+from ..plan.document import PlanDocument, partition_digest
 from ..spec import JobSpec, parse_spec
 from . import checkpoints, failure, recipe
-from .build import build_on_meta, checkpoint_blocks, compile_blocks, init_rule, logits_of
+from .build import compile_blocks, init_rule, logits_of, prepare_on_meta
 from .data import Batches
 from .dtypes import DTYPES, muon_kwargs
 from .export import export
 from .mesh import build_mesh, device
 from .metrics import flops_per_token, peak_flops, step_record
 from .models import causal_lm_loss
-from .params import find_blocks, split_params
 from .weights import load_weights
 
 BUILTIN_INPUTS = {"model": {"kind": "builtin"}, "data": {"kind": "builtin"}}
 
 
-def run_modes(spec: JobSpec, modes: dict | None) -> dict:
-    """``{"dmuon": "z2"|"z3", "fsdp": ...}``: the stored plan's (which decided ``auto``),
-    else the spec's, FSDP2 mirroring DMuon unless the spec sets it apart."""
+def run_modes(spec: JobSpec, plan: PlanDocument | None, modes: dict | None) -> dict:
+    """``{"dmuon": "z2"|"z3", "fsdp": ...}``: the plan's (which decided ``auto``), else
+    the given ones, else the spec's, FSDP2 mirroring DMuon unless the spec sets it apart."""
+    if plan is not None and plan.modes is not None:
+        return {"dmuon": plan.modes.dmuon, "fsdp": plan.modes.fsdp}
     if modes is None:
         if spec.dmuon.mode == "auto":
             raise ValueError("dmuon.mode: auto is decided by the planner; run the plan")
@@ -40,23 +42,22 @@ def run_modes(spec: JobSpec, modes: dict | None) -> dict:
 
 
 def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
-                   modes: dict | None = None):
-    """(model, optimizer, param split): built on the meta device, DMuon then FSDP2 per
-    block and on the root; each rank materialises only what it keeps."""
+                   modes: dict | None = None, plan: PlanDocument | None = None):
+    """(model, optimizer, param split): built on the meta device, DMuon (on the plan's
+    partition, when there is a plan) then FSDP2 per block and on the root; each rank
+    materialises only what it keeps."""
     inputs = inputs or BUILTIN_INPUTS
-    modes = run_modes(spec, modes)
-    model = build_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
-    checkpoint_blocks(spec, model, find_blocks(model))  # before the split: FQNs may change
-    compile_blocks(spec, model, find_blocks(model))
-    split = split_params(model, muon_params=spec.dmuon.muon_params,
-                         adamw_params=spec.dmuon.adamw_params,
-                         hook_boundaries=spec.dmuon.hook_boundaries)
+    modes = run_modes(spec, plan, modes)
+    prepared = prepare_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
+    compile_blocks(spec, model, prepared.blocks)
     hsdp = mesh["replicate"].size() > 1
     policy = recipe.mp_policy(spec)
     dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
-                          hook_boundary_predicate=split.boundary_predicate(model))
+                          hook_boundary_predicate=split.boundary_predicate(model),
+                          plan=plan.partition if plan is not None else None)
     fsdp = {"mesh": mesh if hsdp else mesh["shard"],
             "reshard_after_forward": modes["fsdp"] == "z3",
             **({"mp_policy": policy} if policy is not None else {})}
@@ -146,14 +147,15 @@ def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
 def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
                  inputs: dict | None = None, modes: dict | None = None, export_dir=None,
                  export_only=False, node_ids=None, node_ip=None,
-                 progress: dict | None = None):
+                 progress: dict | None = None, plan: PlanDocument | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
     ``progress`` (if given) always holds the phase and the 1-based step in progress."""
     inputs = inputs or BUILTIN_INPUTS
     progress = progress if progress is not None else {}
     progress.update(phase="setup", step=None)
-    model, opt, split = build_training(spec, mesh, inputs, modes)
+    model, opt, split = build_training(spec, mesh, inputs, modes, plan)
+    digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
     r, s, dp_rank, dp_size = _layout(mesh)
     micros = recipe.micro_batches(spec, dp_size)
@@ -179,7 +181,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
-        record.update(coord=[r, s], resumed_from=start,
+        record.update(coord=[r, s], resumed_from=start, partition_digest=digest,
                       node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
         nonfinite.after_step(opt, record, step + 1)
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
@@ -224,15 +226,16 @@ def _worker(config: dict, progress: dict) -> None:
     import ray.util
 
     spec = parse_spec(config["spec"])
+    plan = PlanDocument.model_validate(config["plan"])
     torch.set_num_threads(int(config.get("threads", 1)))
-    mesh, node_ids = build_mesh(config["replicate"], config["shard"])
+    mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard)
     rank = dist.get_rank()
 
     def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
         ray.train.report(record)
 
     model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
-                         inputs=config.get("inputs"), modes=config.get("modes"),
+                         inputs=config.get("inputs"), plan=plan,
                          export_dir=config.get("export_dir"),
                          export_only=config.get("export_only", False), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),

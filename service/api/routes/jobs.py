@@ -3,7 +3,6 @@ a plan without a job."""
 
 from __future__ import annotations
 
-import json
 import os
 from typing import Annotated, Literal
 
@@ -13,6 +12,7 @@ from pydantic import BaseModel, ConfigDict
 
 from ...inputs import resolve_inputs, resolve_model
 from ...packages import PackageError, runtime_working_dir
+from ...plan.document import PlanDocument
 from ...planner import PlacementError, plan_document
 from ...spec import JobSpec, SpecError, text
 from ...train.params import ParamRuleError
@@ -20,10 +20,12 @@ from ..guard import JobId, guarded
 from ..schema import STATES
 
 SPEC_BYTES = 64 << 10  # a spec is a few hundred bytes; this leaves room for comments
+PLAN_BYTES = 64 << 20  # a plan lists every Muon param with its owner: 70B's is ~1 MB
 # a dry run is stored as SUCCEEDED (it ended: planned, nothing to run) with dry_run true
 DRY_RUN_MESSAGE = "dry run: planned and stored, never run on Ray"
 admin = APIRouter(route_class=guarded("admin"), tags=["jobs"])
 reads = APIRouter(route_class=guarded("read"), tags=["jobs"])
+job_posts = APIRouter(route_class=guarded("job"), tags=["jobs"])
 
 
 class JobSubmission(BaseModel):
@@ -53,7 +55,7 @@ def _field_of(error: Exception) -> str:
     return f"spec.{head}" if head and " " not in head else "spec"
 
 
-def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> dict:
+def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> PlanDocument:
     """The plan that will run, on the attached cluster's nodes when it fits them now;
     at most ``max_concurrent_plans`` at a time (each builds a model on the meta device)."""
     state = request.app.state
@@ -73,7 +75,8 @@ def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> di
 @admin.post("/v1/plan", max_body_size=SPEC_BYTES)
 def plan(spec: JobSpec, request: Request):
     """The layout and per-rank predictions for a spec, without a job."""
-    return JSONResponse(_plan(request, spec, "layout", _model_inputs(request, spec)))
+    planned = _plan(request, spec, "layout", _model_inputs(request, spec))
+    return JSONResponse(planned.model_dump(mode="json"))
 
 
 @admin.post("/v1/jobs", status_code=201, max_body_size=SPEC_BYTES)
@@ -95,7 +98,7 @@ def submit(body: JobSubmission, request: Request, response: Response,
     planned = _plan(request, body.spec, "spec.layout", model_inputs)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
-        body.spec.name, spec, dry_run=body.dry_run, plan=planned,
+        body.spec.name, spec, dry_run=body.dry_run, plan=planned.model_dump(mode="json"),
         idempotency_key=idempotency_key, status="SUCCEEDED" if body.dry_run else "PENDING",
         message=DRY_RUN_MESSAGE if body.dry_run else None)
     if (job["spec"], job["dry_run"]) != (spec, body.dry_run):
@@ -135,25 +138,29 @@ async def job(job_id: JobId, request: Request):
 @reads.get("/v1/jobs/{job_id}/partition")
 def partition(job_id: JobId, request: Request):
     """The stored plan: owner per parameter, per-rank predictions, layout, inventory."""
-    found = request.app.state.store.get_job(job_id)
-    if found is None:
-        raise HTTPException(404, f"no job {job_id!r}")
-    planned = found["plan"]
-    if planned.get("partition") is None:  # deferred: the job's entrypoint completed it
-        planned = _completed_plan(request.app.state.settings.storage, job_id) or planned
-    return JSONResponse({"layout": planned["layout"], "inventory": planned.get("inventory"),
-                         "modes": planned.get("modes"), "param_groups": planned.get("param_groups"),
-                         "deferred": planned.get("deferred"), "ranks": planned["ranks"],
-                         **(planned.get("partition") or {})})
+    planned = _job_or_404(request.app.state.store, job_id, with_plan=True)["plan"]
+    shown = ("inventory", "modes", "param_groups", "deferred", "completed_by")
+    return JSONResponse({"layout": planned["layout"], **{k: planned.get(k) for k in shown},
+                         "ranks": planned["ranks"], **(planned.get("partition") or {})})
 
 
-def _completed_plan(storage: str, job_id: str) -> dict | None:
-    try:
-        with open(os.path.join(storage, job_id, "plan.json")) as fh:
-            plan = json.load(fh)
-    except (OSError, ValueError):
-        return None
-    return plan if plan.get("partition") is not None else None
+@job_posts.put("/v1/jobs/{job_id}/plan", max_body_size=PLAN_BYTES)
+def complete_plan(job_id: JobId, plan: PlanDocument, request: Request):
+    """The plan a job's entrypoint completed for a model the control plane could not
+    build (the job's own token): accepted once, in place of the deferred plan, on the
+    layout that plan stored."""
+    store = request.app.state.store
+    stored = _job_or_404(store, job_id, with_plan=True)["plan"]
+    if stored is None or stored.get("partition") is not None:
+        raise HTTPException(409, f"job {job_id} has a complete plan; it is not replaced")
+    if not plan.complete or plan.layout.model_dump() != stored["layout"]:
+        raise HTTPException(422, [{"field": "layout", "message":
+                                   f"a completed plan on the stored layout {stored['layout']} "
+                                   f"is expected, got {plan.layout.model_dump()}"
+                                   f"{'' if plan.complete else ' without a partition'}"}])
+    if not store.complete_plan(job_id, stored, plan.model_dump(mode="json")):
+        raise HTTPException(409, f"job {job_id}'s plan changed meanwhile")
+    return {"stored": True}
 
 
 @admin.post("/v1/jobs/{job_id}/export", status_code=202)

@@ -1,0 +1,108 @@
+"""The plan document: what the planner decided for a job, stored once and run as stored.
+
+Typed so that every reader (the API, the entrypoint, the workers, the CLI) reads the same
+fields; the partition inside it is ``dmuon.DedicationPlan.to_dict()``, which the workers
+hand to ``dmuon.dedicate_params(plan=...)`` rather than partitioning again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Layout(_Doc):
+    """R x N (replicate x shard) on ``nodes`` nodes."""
+
+    replicate: int
+    shard: int
+    nodes: int
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard
+
+
+class Inventory(_Doc):
+    """The nodes planned on: the attached cluster's, or assumed ones (with the reason)."""
+
+    source: Literal["cluster", "assumed"]
+    nodes: int
+    cpus_per_node: int | None = None
+    reason: str | None = None
+
+
+class Modes(_Doc):
+    """``service.plan.modes.ModeChoice``: the mode run and why."""
+
+    dmuon: Literal["z2", "z3"]
+    fsdp: Literal["z2", "z3"]
+    reason: str
+    params: int
+    gpus: int
+    device_bytes: int
+    z2_bytes: int
+    z3_bytes: int
+    resident_pm_bytes: int
+    fits: bool
+
+
+class ParamGroups(_Doc):
+    muon: list[str]
+    adamw: list[str]
+    hook_boundaries: list[str]
+    adamw_why: dict[str, str]
+
+
+class RankPrediction(_Doc):
+    rank: int
+    coord: tuple[int, int]
+    owned_elements: int
+    ns_flops: int
+    memory: dict[str, int]  # dmuon.MEMORY_KINDS at rest after a step
+    packed_peak: int  # packed-buffer bytes at the worst hook
+    ledger: dict[str, dict[str, int | float]]  # {mesh dim: {phase: bytes per step}}
+    comm_seconds: float
+
+
+class Scaling(_Doc):
+    """``ray.train.ScalingConfig``'s arguments."""
+
+    num_workers: int
+    use_gpu: bool
+    resources_per_worker: dict[str, float]
+    placement_strategy: str
+
+
+class PlanDocument(_Doc):
+    layout: Layout
+    inventory: Inventory
+    scaling: Scaling
+    modes: Modes | None = None
+    param_groups: ParamGroups | None = None
+    ranks: list[RankPrediction] = []
+    partition: dict | None = None  # dmuon.DedicationPlan.to_dict()
+    # a model only the job's own processes can import: the entrypoint plans it, once
+    deferred: str | None = None
+    completed_by: Literal["entrypoint"] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.partition is not None
+
+
+def partition_digest(partition: dict) -> str:
+    """A short fingerprint of who owns what (units, shapes, boundaries, owners) on which
+    mesh: the workers report the one they run, which equals the stored plan's."""
+    units = {u: [a["owner"], list(a["shape"]), a["boundary"]]
+             for u, a in partition["params"].items()}
+    text = json.dumps([partition["replicate_size"], partition["shard_size"], units],
+                      separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
