@@ -100,7 +100,7 @@ def _adamw_run(rank, world, spec_data):
 
 
 def run_one(optimizer: str, lr: float, steps: int, seed: int) -> list:
-    from service.local import run
+    from dmuon.testing import run
 
     fn = _dmuon_run if optimizer == "dmuon" else _adamw_run
     return run(fn, _spec(optimizer, lr, steps, seed), world_size=1)[0]

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import dmuon
 from bench._setups import NS_DTYPE, SETUPS, NSClock, build, shared_cores, take_turns
-from service.local import run
+from dmuon.testing import run
 from service.train.corpus import batch_at, load_corpus
 from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
 

@@ -157,7 +157,7 @@ def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers, shared_bucket):
 
 def inside(args) -> dict:
     """The measurements, run inside the throttled namespace."""
-    from service.local import run
+    from dmuon.testing import run
 
     return _slowest(run(_worker, args.rounds, args.steps, args.batch, args.seq,
                         args.dmuon_fsdp == "layers", True, world_size=args.world))
@@ -211,7 +211,7 @@ def rank_inside(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from service.local import PG_TIMEOUT, leave_process_group
+    from dmuon.testing import PG_TIMEOUT, leave_process_group
 
     torch.set_num_threads(1)
     rank = args.rank

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.local import leave_process_group
+from dmuon.testing import leave_process_group
 from service.train.corpus import batch_at, load_corpus
 from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
 

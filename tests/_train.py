@@ -6,9 +6,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from _model import build_model, causal_lm_loss, get_config, muon_predicate
 
 import dmuon
-from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
 
 SEQ, GLOBAL_BATCH = 16, 16
 HPARAMS = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, adamw_lr=3e-3,

@@ -120,7 +120,7 @@ def _token_file(path: str, tokens: int) -> None:
 
 
 def test_workers_read_shards_memory_mapped_rss_flat_with_a_1gb_set(tmp_path):
-    from service.local import run
+    from dmuon.testing import run
 
     spec = {"model": "tiny", "steps": 6, "batch_size": 2, "seq_len": 64,
             "layout": {"replicate": 2, "shard": 2}, "data": {"source": "t/*.bin",

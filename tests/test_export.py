@@ -13,7 +13,7 @@ import pytest
 import torch
 from _hf_reference import QWEN3_MOE, RECIPE
 
-from service.local import run
+from dmuon.testing import run
 
 STEPS = 3
 

@@ -81,7 +81,7 @@ MIXED = {"master_dtype": "float32", "param_dtype": "bfloat16", "reduce_dtype": "
                                                    ((2, 2), "z3", MIXED)])
 def test_predicted_packed_bytes_equal_the_measured_ones_in_the_chosen_mode(layout, mode,
                                                                           precision):
-    from service.local import run
+    from dmuon.testing import run
 
     R, N = layout
     data = {"model": "tiny", "precision": precision, "batch_size": 2, "seq_len": 16,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from _netns import RAY_PORT, TwoHosts, namespaces_available
 
-from service.local import run
+from dmuon.testing import run
 
 REASON = namespaces_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))

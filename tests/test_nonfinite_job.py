@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from service.local import run
+from dmuon.testing import run
 
 SPEC = {"model": "tiny", "steps": 8, "batch_size": 2, "seq_len": 16, "clip_grad_norm": 1.0,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0},

@@ -119,7 +119,7 @@ def _measure(rank, world, spec_data):
 
 @pytest.mark.parametrize("mode", ["z2", "z3"])
 def test_predictions_equal_what_workers_measure(mode):
-    from service.local import run
+    from dmuon.testing import run
 
     data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
             "clip_grad_norm": None,  # this loop leaves clipping out (tests/test_modes.py)

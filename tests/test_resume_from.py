@@ -17,8 +17,8 @@ import shutil
 import pytest
 import torch
 
+from dmuon.testing import run
 from service.inputs import MANIFEST, resolve_inputs
-from service.local import run
 from service.spec import SpecError, parse_spec
 
 A_ID = "dmuon-00000000000a"

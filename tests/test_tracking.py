@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from _tensorboard import crc32c, event_files, scalars
 
-from service.local import run
+from dmuon.testing import run
 from service.spec import parse_spec
 from service.train import tracking
 

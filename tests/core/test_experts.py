@@ -11,7 +11,7 @@ from _train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 E, D, H, VOCAB, STEPS, LAYERS = 8, 16, 32, 64, 6, 2
 

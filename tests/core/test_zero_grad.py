@@ -17,7 +17,7 @@ import torch
 from _train import build_dmuon, global_batches, local_rows, loss_of, optimizer_snapshot
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 STEPS, DROPPED_AT = 4, (1, 2)
 LAYOUTS = {"z2": ((1, 4), False), "z3": ((1, 4), True), "hsdp2x2": ((2, 2), True)}

@@ -17,7 +17,7 @@ from torch import nn
 import dmuon
 from dmuon.optim import adjusted_lr
 
-DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "migration.md"
+DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "migration.md"
 
 
 def _rows(heading: str) -> list[list[str]]:
@@ -103,7 +103,7 @@ def _muon_group_checks(rank, world):
 
 @pytest.fixture(scope="module")
 def optimizer_lines():
-    from service.local import run
+    from dmuon.testing import run
 
     return run(_muon_group_checks, world_size=1)[0]
 

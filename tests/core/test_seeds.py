@@ -17,12 +17,12 @@ import functools
 
 import pytest
 import torch
+from _model import build_model, get_config, muon_predicate
 from _train import HPARAMS, global_batches, local_rows, loss_of
 from test_tp import _tp_plan
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS = 10
 

@@ -7,11 +7,11 @@ from collections import defaultdict
 
 import pytest
 import torch
+from _model import build_model, get_config, muon_predicate
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon
-from service.train.models import build_model, get_config, muon_predicate
 
 # max/mean of (elements, NS FLOPs): the partition balances both; 8B at 64 ranks has 96
 # equal MLP matrices, so two share a rank (see the pigeonhole test)

@@ -18,7 +18,7 @@ import torch
 from _train import build_dmuon, global_batches, local_rows, loss_of
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 STEPS = 5
 LAYOUTS = {"z2": ((1, 4), False), "z3": ((1, 4), True), "hsdp2x2": ((2, 2), True)}
@@ -66,26 +66,6 @@ def _all(rank, world):
             out[name][f"{form}/breaks"] = sum(dynamo_utils.counters["graph_break"].values())
             out[name][f"{form}/graphs"] = dynamo_utils.counters["stats"]["unique_graphs"]
     return out
-
-
-def _spec_compiles(rank, world):
-    """A job spec's ``compile: true`` reaches the worker: each block compiled in place."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from service.spec import parse_spec
-    from service.train.loop import build_training
-
-    spec = parse_spec({"model": "tiny", "compile": True,
-                       "layout": {"replicate": 1, "shard": world}})
-    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
-    model, _, _ = build_training(spec, mesh)
-    return [getattr(layer, "_compiled_call_impl", None) is not None
-            for layer in model.model.layers], spec.compile.options()
-
-
-def test_the_specs_compile_true_compiles_each_block_in_place():
-    for compiled, options in run(_spec_compiles, world_size=2):
-        assert compiled == [True, True] and options["backend"] == "inductor"
 
 
 @functools.cache

@@ -11,7 +11,7 @@ import torch
 from _train import build_dmuon, global_batches, local_rows, loss_of
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 STEPS, BAD = 6, {2: float("nan"), 4: float("inf")}
 LAYOUTS = {"z2": ((1, 4), False), "z3": ((1, 4), True), "hsdp2x2": ((2, 2), True)}

@@ -20,6 +20,7 @@ import functools
 import pytest
 import torch
 from _memory import PeakNewBytes
+from _model import build_model, get_config, muon_predicate
 from _train import (
     build_dmuon,
     global_batches,
@@ -31,8 +32,7 @@ from _train import (
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, RESUME_AT = 5, 3
 LAYOUTS = {"z2": ((1, 4), False), "z3": ((1, 4), True), "hsdp2x2": ((2, 2), True)}

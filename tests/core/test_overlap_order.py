@@ -19,12 +19,12 @@ import functools
 import pytest
 import torch
 from _collectives import DMuonCollectives
+from _model import ModelConfig, build_model, muon_predicate
 from _train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.local import run
-from service.train.models import ModelConfig, build_model, muon_predicate
+from dmuon.testing import run
 
 LAYERS = 4
 CONFIG = ModelConfig(vocab_size=256, dim=64, n_layers=LAYERS, n_heads=4, n_kv_heads=2,

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 D, H, VOCAB, E, LAYERS, STEPS, WORLD, ROWS = 16, 24, 64, 4, 2, 10, 4, 3
 # which ranks run the branch at each step: all, none, some

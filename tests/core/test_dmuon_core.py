@@ -8,6 +8,7 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder, DMuonCollectives
+from _model import build_model, get_config, muon_predicate
 from _train import (
     build_dmuon,
     global_batches,
@@ -20,8 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.flop_counter import FlopCounterMode
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, WORLD, ELT = 10, 4, 8  # float64
 MODES = {"z2": False, "z3": True}

@@ -1,11 +1,13 @@
 """Run a function on N gloo processes on this machine's loopback, for tests and benchmarks.
 
 Clusters go through Ray (``service.train``); this is the no-Ray way to exercise the core.
+Not imported by ``import dmuon``: use ``from dmuon.testing import run``.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import tempfile
 from datetime import timedelta
@@ -14,13 +16,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .local_ray import free_port
-
 PG_TIMEOUT = timedelta(seconds=60)  # a bug fails fast instead of hanging
 # Ranks fork from a server that has imported these once (a spawned rank spends about 3 s
 # of a 2-core machine importing torch); a forked rank gets the caller's environment,
 # working directory and sys.path as a spawned one would.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "dmuon"]
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _worker(rank, world_size, env, port, out_dir, fn, args, kwargs):

@@ -7,11 +7,11 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder
+from _model import build_model, get_config, muon_predicate
 from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, DP, TP = 10, 2, 2
 COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",

@@ -10,7 +10,7 @@ import pytest
 import torch
 from _train import hsdp_train
 
-from service.local import run
+from dmuon.testing import run
 
 STEPS, SAVE_AT = 10, 5
 

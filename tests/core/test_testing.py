@@ -1,10 +1,10 @@
-"""``service.local.run``: ranks forked from a preloaded server see what spawned ranks saw."""
+"""``dmuon.testing.run``: ranks forked from a preloaded server see what spawned ranks saw."""
 
 from __future__ import annotations
 
 import os
 
-from service.local import run
+from dmuon.testing import run
 
 
 def _seen(rank, world):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from _train import hsdp_train
 
-from service.local import run
+from dmuon.testing import run
 
 STEPS, MICRO = 5, 3  # each rank's 4 rows as micro-batches of 2, 1 and 1
 LAYOUTS = [((1, 4), False), ((1, 4), True), ((2, 2), True)]

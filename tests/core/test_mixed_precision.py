@@ -22,14 +22,14 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder
+from _model import build_model, get_config, muon_predicate
 from _train import HPARAMS, global_batches, local_rows, loss_of, reference_ns, reference_optimizers
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dmuon
 from dmuon import cost
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, WORLD = 10, 4
 MUON = dict(HPARAMS, ns_backend="standard", ns_dtype=torch.float32)

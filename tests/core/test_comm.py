@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _collectives import CollectiveRecorder
 
 from dmuon import comm
-from service.local import run
+from dmuon.testing import run
 
 WORLD, SEG = 4, 3
 

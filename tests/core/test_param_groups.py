@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from _model import build_model, get_config, muon_predicate
 from _train import (
     HPARAMS,
     build_dmuon,
@@ -23,8 +24,7 @@ from _train import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, SAVE_AT, WORLD = 10, 5, 4
 H = HPARAMS

@@ -8,13 +8,13 @@ import functools
 
 import pytest
 import torch
+from _model import build_model, get_config, muon_predicate
 from _train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, WORLD, ELT = 10, 4, 8
 VARIANTS = ("reentrant", "non_reentrant", "non_reentrant_no_early_stop", "checkpoint_wrapper")

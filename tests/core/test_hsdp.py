@@ -16,7 +16,7 @@ from _train import (
 )
 
 import dmuon
-from service.local import run
+from dmuon.testing import run
 
 STEPS, WORLD, ELT = 10, 4, 8
 

@@ -19,6 +19,7 @@ import functools
 
 import pytest
 import torch
+from _model import build_model, get_config, muon_predicate
 from _train import (
     HPARAMS,
     build_dmuon,
@@ -33,8 +34,7 @@ from _train import (
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
-from service.local import run
-from service.train.models import build_model, get_config, muon_predicate
+from dmuon.testing import run
 
 STEPS, CLIP = 10, 0.05
 
