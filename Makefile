@@ -36,12 +36,12 @@ test: $(STAMP) $(CHROMIUM)
 
 # the control plane, its local Ray head and the default job (DEMO_EXIT_ON_FINISH=1: exit)
 demo: $(STAMP)
-	$(PY) -m service.demo
+	$(PY) -m service.dev.demo
 
 # the DMuon core alone: 4 torchrun processes, no Ray, no service
 demo-torchrun: $(STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29517 \
-		-m service.torchrun_demo $(DEMO_ARGS)
+		-m service.dev.torchrun_demo $(DEMO_ARGS)
 
 bench: $(STAMP) $(WRK)
 	$(PY) -m bench.core
@@ -77,5 +77,7 @@ bench-compile: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench
 
+# bench/results keeps its dated records (tracked): only the untracked outputs go
 clean:
-	rm -rf $(VENV) .pytest_cache bench/results demo_runs
+	rm -rf $(VENV) .pytest_cache demo_runs
+	git clean -qfX bench/results

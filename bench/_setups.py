@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 import dmuon.optim
 from dmuon.optim import adjusted_lr
-from service.train.models import build_model, get_config, muon_predicate
+from service.models.builtin import build_model, get_config, muon_predicate
 
 NS_DTYPE = torch.float32  # bf16 matmuls are emulated (3x to 58x slower) on these CPUs
 

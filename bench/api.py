@@ -27,7 +27,7 @@ import tempfile
 import requests
 
 from service.api.serve import wait_healthy
-from service.local_ray import free_port
+from service.cluster import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

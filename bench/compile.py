@@ -18,7 +18,7 @@ import dmuon
 from bench._record import write_record
 from bench._setups import NS_DTYPE
 from dmuon.testing import run
-from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
+from service.models.builtin import build_model, causal_lm_loss, get_config, muon_predicate
 
 FORMS = ("eager", "torch.compile(block)", "block.compile()")
 

@@ -66,10 +66,10 @@ def _dmuon_run(rank, world, spec_data):
 def _adamw_run(rank, world, spec_data):
     """The same loop (data, schedule, clipping, validation) with torch.optim.AdamW on
     every parameter of a plain module."""
+    from service.models.builtin import build_model, causal_lm_loss
     from service.spec import parse_spec
     from service.train.data import Batches
     from service.train.loop import BUILTIN_INPUTS
-    from service.train.models import build_model, causal_lm_loss
     from service.train.recipe import lr_factor
 
     torch.set_num_threads(2)

@@ -68,7 +68,7 @@ def _build(world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from service.train.models import ModelConfig, build_model, init_builtin, muon_predicate
+    from service.models.builtin import ModelConfig, build_model, init_builtin, muon_predicate
 
     config = ModelConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=4,
                          ffn_dim=5632, max_seq_len=2048)
@@ -108,7 +108,7 @@ def _overlap(trace_path: pathlib.Path) -> dict:
 def training_profile(rank: int, world: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from service.train.models import causal_lm_loss
+    from service.models.builtin import causal_lm_loss
 
     model, opt, config = _build(world)
     tokens = torch.randint(0, config.vocab_size, (4, 1025), device="cuda",

@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 import pathlib
 
-from service.mode_choice import GB
-from service.planner import predict, synthetic_inventory
+from service.cluster import synthetic_inventory
+from service.plan.modes import GB
+from service.plan.predict import predict
 from service.spec import parse_spec
 
 RESULTS = pathlib.Path(__file__).parent / "results"

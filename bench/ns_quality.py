@@ -29,7 +29,7 @@ def _process_group() -> None:
     """A one-rank gloo group for this worker process (once)."""
     import torch.distributed as dist
 
-    from service.local_ray import free_port
+    from service.cluster import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1,
@@ -42,8 +42,8 @@ def train(backend: str, coefficients: str, seed: int, steps: int, batch: int, se
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+    from service.models.builtin import build_model, causal_lm_loss, muon_predicate
     from service.train.corpus import batch_at, load_corpus
-    from service.train.models import build_model, causal_lm_loss, muon_predicate
 
     torch.set_num_threads(1)
     _process_group()

@@ -120,8 +120,8 @@ def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers, shared_bucket):
 
     from bench._setups import SETUPS as ALL
     from bench._setups import NSClock, build, take_turns
+    from service.models.builtin import causal_lm_loss
     from service.train.corpus import batch_at, load_corpus
-    from service.train.models import causal_lm_loss
 
     waits, clock, bucket = Waits(), NSClock(), BucketBytes(shared_bucket and rank == 0)
     corpus = load_corpus("train", max_bytes=1_000_000)

@@ -26,7 +26,7 @@ def presence_flags(plan: DedicationPlan) -> int:
     return len(plan.params) + plan.world_size + 1
 
 
-def _exact(value: Fraction) -> int | float:
+def exact(value: Fraction) -> int | float:
     return int(value) if value.denominator == 1 else float(value)
 
 
@@ -47,7 +47,7 @@ def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
              "step": 2 * share * flags * PRESENCE_BYTES}
     if z3:
         shard["backward"] = shard["forward"]
-    out = {"shard": {k: _exact(v) for k, v in shard.items()}}
+    out = {"shard": {k: exact(v) for k, v in shard.items()}}
     column = column_elements(plan)[rank % n]
     if r > 1:
         share = Fraction(r - 1, r)
@@ -55,7 +55,7 @@ def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
         if column:
             repl.update(reduce=share * column * reduce_bytes,
                         replicate=share * column * param_bytes)
-        out["replicate"] = {k: _exact(v) for k, v in repl.items()}
+        out["replicate"] = {k: exact(v) for k, v in repl.items()}
     return out
 
 

@@ -77,9 +77,13 @@ def _policy(mp_policy, compute_dtype):
     return MixedPrecisionPolicy(param_dtype=compute_dtype)
 
 
-def _check_not_fully_sharded(model: nn.Module) -> None:
+def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
     from torch.distributed.fsdp import FSDPModule
 
+    if hasattr(model, STATE_ATTR):
+        raise RuntimeError("dedicate_params was already called on this model")
+    if prefetch < 0:
+        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
             raise RuntimeError(
@@ -200,18 +204,12 @@ def dedicate_params(
     forward (and, in Z3, the backward) issues all-gathers. A model on the meta device is
     planned and laid out without values; ``dmuon.materialize`` then creates them.
     ``compute_dtype`` (the reference's name) is ``mp_policy=MixedPrecisionPolicy(
-    param_dtype=compute_dtype)``. ``plan`` (a ``DedicationPlan`` or its ``to_dict()``,
-    e.g. one stored by a planner): apply its owners instead of partitioning; a plan for
-    another mesh, or whose units, shapes or boundaries differ from the model's, is
-    refused (``PlanMismatch``, naming the first differing FQN) before any collective.
-    The plan returned is also a read-only mapping from each dedicated ``nn.Parameter``
-    to its owner's global rank.
+    param_dtype=compute_dtype)``. ``plan``: a stored plan (or its ``to_dict()``) to apply
+    instead of partitioning; refused (``PlanMismatch``, naming the first differing FQN)
+    before any collective when it does not describe this model and mesh. The plan
+    returned also maps each dedicated ``nn.Parameter`` to its owner's global rank.
     """
-    if hasattr(model, STATE_ATTR):
-        raise RuntimeError("dedicate_params was already called on this model")
-    if prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-    _check_not_fully_sharded(model)
+    _check_can_dedicate(model, prefetch)
     mp_policy = _policy(mp_policy, compute_dtype)
     entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
     plan = _plan_to_run(plan, entries, mesh.size(),

@@ -13,7 +13,7 @@ import time
 import requests
 
 from service.api.serve import wait_healthy
-from service.local_ray import free_port, stop_recorded
+from service.cluster import free_port, stop_recorded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 
-from service.local_ray import pids_with
+from service.cluster import pids_with
 
 IFACE = "dmnet0"  # the same name in both hosts, so one GLOO_SOCKET_IFNAME serves both
 SUBNET = "10.200.0"

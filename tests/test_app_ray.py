@@ -13,7 +13,7 @@ import pytest
 from _browser import ARTIFACTS, page_with_errors
 from _http import Service
 
-from service.local_ray import STATE_FILE
+from service.cluster import STATE_FILE
 
 SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0}}

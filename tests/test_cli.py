@@ -24,8 +24,8 @@ import pytest
 from _http import ROOT, Service
 
 from service import cli
-from service.cli_output import failure_line, si
-from service.cli_progress import Follower, final_line, run_follower
+from service.cli.output import failure_line, si
+from service.cli.progress import Follower, final_line, run_follower
 
 SERVICE_ENV = ("DMUON_URL", "DMUON_API_TOKEN")
 COMMANDS = ["submit", "status", "logs", "cancel", "plan", "export", "prepare"]
@@ -66,10 +66,10 @@ def test_each_command_helps_every_option_and_names_its_environment(capsys, comma
 
 
 def test_prepare_takes_every_option_of_the_prepare_module(capsys):
-    """One definition: ``python -m service.train.prepare``'s argparse arguments."""
+    """One definition: ``python -m service.inputs.prepare``'s argparse arguments."""
     import argparse
 
-    from service.train.prepare import add_arguments
+    from service.inputs.prepare import add_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -213,7 +213,7 @@ def test_the_final_line_carries_a_failed_jobs_reason():
 
 
 def _follow_with(monkeypatch, events, job=None):
-    import service.cli_progress as progress
+    import service.cli.progress as progress
 
     asked = []
     monkeypatch.setattr(progress, "job_events", lambda job_id: iter(events))
@@ -247,7 +247,7 @@ def test_follow_asks_an_older_server_for_the_job_and_copes_without_a_reason(monk
 
 # -- the mode's explanation on CPU workers ---------------------------------------------------
 def test_parameter_counts_read_as_people_write_them():
-    from service.mode_choice import parameter_count, workers
+    from service.plan.modes import parameter_count, workers
 
     assert [parameter_count(n) for n in (640, TINY_PARAMS, 999_950, SMALL_PARAMS,
                                          8_030_261_248, 70_553_706_496)] == [
@@ -257,14 +257,15 @@ def test_parameter_counts_read_as_people_write_them():
 
 
 def _cpu_plan(data: dict, workers: int):
-    from service.planner import predict, synthetic_inventory
+    from service.cluster import synthetic_inventory
+    from service.plan.predict import predict
     from service.spec import parse_spec
 
     return predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=workers))
 
 
 def test_auto_on_cpu_workers_names_them_and_the_real_parameter_count():
-    from service.demo import DEFAULT_JOB
+    from service.dev.demo import DEFAULT_JOB
 
     placement = _cpu_plan({**DEFAULT_JOB, "dmuon": {"mode": "auto"}}, 4)  # make demo's job
     assert placement.modes.params == SMALL_PARAMS
@@ -280,8 +281,8 @@ def test_auto_on_cpu_workers_names_them_and_the_real_parameter_count():
 
 
 def test_a_cpu_worker_that_cannot_hold_z3_is_named_as_such():
-    from service.mode_choice import decide
-    from service.spec_recipe import DMuonSpec
+    from service.plan.modes import decide
+    from service.spec.recipe import DMuonSpec
 
     choice = decide(DMuonSpec(mode="auto"), params=TINY_PARAMS, gpus=4, shard=4,
                     device_bytes=int(1e9), z2_bytes=int(3e9), z3_bytes=int(2e9),

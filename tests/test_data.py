@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from service.inputs import resolve_inputs
+from service.inputs.shards import TokenWindows, describe, tokens_of, write_shard
 from service.spec import SpecError, parse_spec
 from service.train.data import Batches
-from service.train.shards import TokenWindows, describe, tokens_of, write_shard
 
 WORDS = ("muon", "owner", "shard", "gather", "reduce", "newton", "schulz", "matrix",
          "rank", "layer", "buffer", "step")

@@ -18,7 +18,7 @@ import requests
 from _browser import page_with_errors
 from _http import Service
 
-from service.packages import zip_directory
+from service.inputs.packages import zip_directory
 
 WORLD = 4
 FAIL_RANK, FAIL_STEP = 2, 3
@@ -221,7 +221,7 @@ def test_a_database_at_0001_gains_the_reason_column(tmp_path):
 
 def test_reasons_are_sanitised_and_messages_stripped():
     from service.api.runner import outcome_message
-    from service.train.failure import sanitized, strip_ansi
+    from service.failure import sanitized, strip_ansi
 
     ray_tail = "\x1b[36m(RayTrainWorker pid=1)\x1b[0m Traceback\x1b]8;;http://x\x07link\x1b]8;;\x07"
     assert strip_ansi(ray_tail) == "(RayTrainWorker pid=1) Traceback" + "link"

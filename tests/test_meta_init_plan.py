@@ -1,6 +1,6 @@
 """Meta-device init at half a billion parameters: a model built on ``torch.device("meta")``,
 dedicated, fully sharded and ``dmuon.materialize``d on 4 gloo ranks stays within the share
-the service's planner predicts for each rank (``service.planner.predict``); the values of
+the service's planner predicts for each rank (``service.plan.predict``); the values of
 meta init are checked against a full init in tests/core/test_meta_init.py."""
 
 from __future__ import annotations
@@ -12,9 +12,10 @@ from torch.profiler import ProfilerActivity, profile
 import dmuon
 from dmuon import cost
 from dmuon.testing import run
-from service.planner import predict, synthetic_inventory
+from service.cluster import synthetic_inventory
+from service.models.builtin import ModelConfig, build_model, init_builtin, muon_predicate
+from service.plan.predict import predict
 from service.spec import parse_spec
-from service.train.models import ModelConfig, build_model, init_builtin, muon_predicate
 
 SEED = 7
 # 0.51 B parameters: 18 layers of 4 x 1536^2 attention and 3 x 1536 x 4096 MLP matrices

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from service.planner import predict, synthetic_inventory
+from service.cluster import synthetic_inventory
+from service.plan.predict import predict
 from service.spec import parse_spec
 
 GPU = {"resources_per_worker": {"CPU": 1, "GPU": 1}}

@@ -7,7 +7,9 @@ import sys
 
 import pytest
 
-from service.planner import PlacementError, predict, synthetic_inventory
+from service.cluster import synthetic_inventory
+from service.plan.layout import PlacementError
+from service.plan.predict import predict
 from service.spec import SpecError, parse_spec
 
 GPU = {"resources_per_worker": {"CPU": 1, "GPU": 1}}
@@ -55,7 +57,7 @@ def test_more_workers_than_logical_cpus_is_refused():
 
 
 def _llama_matrices(name):
-    from service.train.models import get_config
+    from service.models.builtin import get_config
 
     c = get_config(name)
     kv = c.n_kv_heads * c.dim // c.n_heads
@@ -88,7 +90,7 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
 
 
 def test_planner_cli_prints_the_table():
-    proc = subprocess.run([sys.executable, "-m", "service.planner", "--model", "llama3-70b",
+    proc = subprocess.run([sys.executable, "-m", "service.plan", "--model", "llama3-70b",
                            "--nodes", "8", "--gpus-per-node", "8"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -100,9 +102,9 @@ def _measure(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+    from service.models.builtin import causal_lm_loss
     from service.train.corpus import batch_at, load_corpus
     from service.train.loop import build_training
-    from service.train.models import causal_lm_loss
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -131,11 +133,11 @@ def test_predictions_equal_what_workers_measure(mode):
         assert ledger == predicted.ledger, rank
 
 
-# the spec names dtypes; dmuon.Muon takes torch dtypes (service.train.dtypes maps them)
+# the spec names dtypes; dmuon.Muon takes torch dtypes (service.models.dtypes maps them)
 def _as_spec_default(value):
     import torch
 
-    from service.train.dtypes import DTYPES
+    from service.models.dtypes import DTYPES
 
     names = {dtype: name for name, dtype in DTYPES.items()}
     return names[value] if isinstance(value, torch.dtype) else value
@@ -164,7 +166,7 @@ def test_the_spec_maps_onto_muons_call():
     import torch
 
     import dmuon
-    from service.train.dtypes import muon_kwargs
+    from service.models.dtypes import muon_kwargs
 
     spec = parse_spec({"model": "tiny", "optimizer": {"ns_dtype": "float64",
                                                       "adamw_betas": [0.8, 0.9]}})

@@ -19,7 +19,7 @@ import torch
 from _faults import installed
 from _tensorboard import event_files, scalars
 
-from service.local_ray import RAY, LocalRayHead
+from service.cluster import RAY, LocalRayHead
 from service.spec import parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -160,7 +160,7 @@ def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_roo
 def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_path,
                                                              data_root):
     """The spec asks 2 x 2; the stored plan says 1 x 4: the plan is what runs."""
-    from service.planner import plan_document
+    from service.plan.make import plan_document
 
     data = {**SPEC, "steps": 3, "checkpoint": {"interval": 0}}
     spec = tmp_path / "job.json"
@@ -192,7 +192,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
 
 def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_path,
                                                                      data_root):
-    from service.planner import plan_document
+    from service.plan.make import plan_document
 
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(SPEC))

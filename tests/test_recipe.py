@@ -12,9 +12,10 @@ import pytest
 import torch
 from _hf_reference import LLAMA, QWEN3_MOE
 
+from service.models.params import ParamRuleError, split_params
+from service.plan.layout import micro_batches
 from service.spec import parse_spec
-from service.train.params import ParamRuleError, split_params
-from service.train.recipe import lr_factor, micro_batches
+from service.train.recipe import lr_factor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

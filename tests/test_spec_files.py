@@ -18,7 +18,7 @@ import pytest
 from _http import ROOT, Service
 
 from service.spec import load_spec, parse_spec
-from service.spec_files import SpecFileError, position, read_spec_file
+from service.spec.files import SpecFileError, position, read_spec_file
 
 # a flow mapping opened on line 3 (its "{" in column 9) and never closed: PyYAML's
 # ParserError at the ":" after "steps" (line 4, column 6)

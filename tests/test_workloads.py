@@ -27,8 +27,8 @@ import torch
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from _http import Service
 
-from service.local_ray import STATE_FILE
-from service.train.shards import write_shard
+from service.cluster import STATE_FILE
+from service.inputs.shards import write_shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 USER_DIR = os.path.join(HERE, "data", "user_model")
@@ -213,26 +213,31 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
 
 def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc):
     """The user job's stored plan with its units renamed as a plan made without activation
-    checkpointing would name them: every worker refuses it in ``dedicate_params``, before
-    any collective, and the job's reason names the first param that differs."""
-    storage = svc.env["DMUON_STORAGE"]
-    with open(os.path.join(storage, JOBS["user"], "plan.json")) as fh:
+    checkpointing would name them: the entrypoint refuses it before Ray starts a worker
+    (exit 2), and the job's reason names the first param that differs. (Each worker's
+    ``dedicate_params`` refuses it too, before any collective: tests/core/
+    test_stored_plan.py.)"""
+    with open(os.path.join(svc.env["DMUON_STORAGE"], JOBS["user"], "plan.json")) as fh:
         plan = json.load(fh)
     params = plan["partition"]["params"]
     plan["partition"]["params"] = {u.replace(WRAPPED, ""): {**a, "param": a["param"].replace(
         WRAPPED, "")} for u, a in params.items()}
-    edited = os.path.join(svc.root, "edited_plan.json")
+    edited, storage = os.path.join(svc.root, "edited_plan.json"), os.path.join(svc.root, "ed")
     with open(edited, "w") as fh:
         json.dump(plan, fh)
-    proc = _ray_submit(svc, ["--spec", "job_checkpointed.yaml", "--plan", edited,
-                             "--storage", os.path.join(svc.root, "edited"), "--job-id",
-                             "edited"])
+    proc = subprocess.run(
+        [sys.executable, "-m", "service.train.entrypoint", "--spec", "job_checkpointed.yaml",
+         "--plan", edited, "--storage", storage, "--job-id", "edited"], cwd=USER_DIR,
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
     first = next(iter(params))
-    summary, _ = json.JSONDecoder().raw_decode(proc.stdout, proc.stdout.rindex('{"summary"'))
-    reason = summary["summary"]["reason"]
-    assert reason["type"] == "PlanMismatch" and reason["phase"] == "setup", reason
-    assert f"'{first.replace(WRAPPED, '')}' is in the plan but is no Muon-target param " \
-           f"of this model (the model has '{first}' there)" in reason["message"], reason
+    message = (f"the plan does not match the model: '{first.replace(WRAPPED, '')}' is in the "
+               f"plan but is no Muon-target param of this model (the model has '{first}' "
+               "there)")
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    with open(os.path.join(storage, "edited", "failure.json")) as fh:
+        reason = json.load(fh)
+    assert reason["type"] == "PlanMismatch" and message in reason["message"], reason
+    assert not os.path.exists(os.path.join(storage, "edited", "metrics.jsonl"))
 
 
 def _bad_specs(data: str) -> list[tuple[dict, str]]:

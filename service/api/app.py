@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
 from ..spec import field_path
-from ..spec_files import position
+from ..spec.files import position
 from .dashboard import mount_dashboard
 from .routes import jobs, metrics, packages, streams, system
 from .settings import Settings
@@ -35,7 +35,7 @@ async def _start_runner(app: FastAPI) -> None:
     settings = app.state.settings
     address = settings.ray_address
     if address is None and settings.local_ray:
-        from ..local_ray import LocalRayHead
+        from ..cluster import LocalRayHead
 
         head, reattached = await asyncio.to_thread(
             LocalRayHead.attach_or_start, settings.storage, settings.local_cpus)

@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 
-from ..packages import PackageError, runtime_working_dir
-from ..planner import NodeInfo, inventory_from_dashboard
-from ..train import failure
+from .. import failure
+from ..cluster import NodeInfo, inventory_from_dashboard
+from ..inputs.packages import PackageError, runtime_working_dir
 from .guard import token_hash
 from .records import read_spool, spool_path
 from .schema import CLAIMED, TERMINAL

@@ -17,7 +17,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
 
-from ..train.failure import strip_ansi
+from ..failure import strip_ansi
 from .migrate import upgrade
 from .schema import CLAIMED, SETTLED, STATES, SUBMITTED, TERMINAL, jobs, locks, metrics
 from .schema import status_history as history_table

@@ -11,7 +11,7 @@ import sysconfig
 
 import torch
 
-from .shards import part_bounds, split_part
+from ..inputs.shards import part_bounds, split_part
 
 VOCAB_SIZE = 256
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..inputs.shards import Shard, TokenWindows, split_part, tokens_of
 from .corpus import load_corpus, load_text_corpus
-from .shards import Shard, TokenWindows, split_part, tokens_of
 
 VAL_STREAM = 1  # validation batches draw from seed + 1, apart from training's
 

@@ -34,55 +34,12 @@ if not os.environ.get("RAY_ADDRESS"):
     for _key, _value in LOOPBACK_ENV.items():
         os.environ.setdefault(_key, _value)
 
-from ray.train.v2.api.callback import UserCallback  # noqa: E402
-
+# torch and Ray are imported once the spec and its inputs have been checked: a spec
+# that cannot run is refused in a second, not after the imports
+from .. import failure  # noqa: E402
 from ..inputs import resolve_inputs  # noqa: E402
 from ..plan.document import PlanDocument  # noqa: E402
-from ..planner import (  # noqa: E402
-    PlacementError,
-    check_fits,
-    inventory_from_ray,
-    placement_document,
-    predict,
-)
 from ..spec import SpecError, load_spec  # noqa: E402
-from . import failure, tracking  # noqa: E402
-from .params import ParamRuleError  # noqa: E402
-
-
-class MetricsCallback(UserCallback):
-    """On the Ray Train controller: one JSONL record per (step, rank) in
-    ``<dir>/metrics.jsonl`` (durable: written first), one JSON line per step on stdout,
-    and a post to the control plane with the job's own token (fast)."""
-
-    def __init__(self, job_id: str, out_dir: str, post_url: str | None = None,
-                 token: str | None = None):
-        self.job_id, self.post_url, self.token = job_id, post_url, token
-        os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
-
-    def after_report(self, run_context, metrics, checkpoint):
-        records = [{"job_id": self.job_id, **m} for m in metrics]
-        with open(self.path, "a") as fh:
-            for rec in records:
-                fh.write(json.dumps(rec) + "\n")
-        line = {"step": records[0]["step"],
-                "loss": sum(r["loss"] for r in records) / len(records), "ranks": records}
-        if "val_loss" in records[0]:
-            line["val_loss"] = records[0]["val_loss"]
-        print(json.dumps(line), flush=True)
-        if self.post_url:
-            _send(self.post_url, records, self.token)
-
-
-def _send(url: str, body, token: str | None, method: str = "post") -> None:
-    import requests
-
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        requests.request(method, url, json=body, headers=headers, timeout=5).raise_for_status()
-    except requests.RequestException as e:  # the spool keeps it; the service re-reads it
-        print(f"{method} to {url} failed: {e}", file=sys.stderr)
 
 
 def connect_ray(num_cpus: int | None = None) -> None:
@@ -111,6 +68,11 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
+    from ..cluster import inventory_from_ray
+    from ..plan.layout import check_fits
+    from ..plan.make import placement_document
+    from ..plan.predict import predict
+
     nodes = inventory_from_ray()
     if plan is not None:
         check_fits(plan.layout, spec, nodes)
@@ -134,6 +96,8 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from . import loop as train
+    from . import tracking
+    from .reports import MetricsCallback, send
 
     job_dir = os.path.join(storage, job_id)
     failure_file = failure_path(storage, job_id, export_only)
@@ -146,7 +110,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
         fh.write(plan.model_dump_json())
     if plan_url and plan is not stored:  # completed here: the control plane stores it
-        _send(plan_url, plan.model_dump(mode="json"), token, method="put")
+        send(plan_url, plan.model_dump(mode="json"), token, method="put")
     config = {"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
               "checkpoint_dir": os.path.join(job_dir, "dcp"),
               "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
@@ -256,8 +220,25 @@ def main(argv=None) -> int:
     except (SpecError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    return _run(args, spec, plan, inputs, token)
+
+
+def _run(args, spec, plan, inputs, token) -> int:
+    from dmuon import PlanMismatch
+
+    from ..models.params import ParamRuleError
+    from ..plan.layout import PlacementError
+    from ..plan.make import check_against_model
+
     job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
     failed = failure_path(args.storage, job_id, args.export_only)
+    try:  # before Ray: a plan for another model never starts a worker
+        if plan is not None and plan.complete:
+            check_against_model(spec, plan, inputs["model"])
+    except (PlanMismatch, ParamRuleError) as e:
+        failure_reason(e, failed)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     connect_ray(args.num_cpus)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}

@@ -23,7 +23,7 @@ from torch import nn
 import dmuon
 from dmuon.state_dict import canonical_fqn
 
-from .mesh import fsdp2_rows
+from ..plan.layout import fsdp2_rows
 
 INDEX = "model.safetensors.index.json"
 

@@ -7,22 +7,23 @@ import dataclasses
 import json
 import os
 
+from ..models.source import ModelSource
 from ..spec import JobSpec
-from ..spec_model import builtin_config
+from ..spec.model import builtin_config
 
 
-def config_writer(spec: JobSpec, model):
+def config_writer(spec: JobSpec, source: ModelSource, model):
     """``write(directory)`` for ``export``, run on rank 0."""
     dtype = spec.export.dtype or spec.precision.master_dtype
 
     def write(directory: str) -> None:
-        if hasattr(spec.model, "hf_arch"):
+        if source.kind == "hf":
             config = model.config
             config.dtype = dtype
             config.save_pretrained(directory)
             return
-        builtin = builtin_config(spec.model)
-        data = ({"builtin": dataclasses.asdict(builtin)} if builtin is not None else
+        data = ({"builtin": dataclasses.asdict(builtin_config(spec.model))}
+                if source.kind == "builtin" else
                 {"factory": spec.model.factory, "kwargs": spec.model.kwargs})
         with open(os.path.join(directory, "config.json"), "w") as fh:
             json.dump({**data, "dtype": dtype}, fh, indent=2, sort_keys=True)

@@ -14,19 +14,22 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon
 
+from .. import failure
+from ..models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
+from ..models.builtin import causal_lm_loss
+from ..models.dtypes import DTYPES, muon_kwargs
+from ..models.source import BUILTIN
 from ..plan.document import PlanDocument, partition_digest
+from ..plan.layout import micro_batches
 from ..spec import JobSpec, parse_spec
-from . import checkpoints, failure, recipe
-from .build import compile_blocks, init_rule, logits_of, prepare_on_meta
+from . import checkpoints, recipe
 from .data import Batches
-from .dtypes import DTYPES, muon_kwargs
 from .export import export
 from .mesh import build_mesh, device
 from .metrics import flops_per_token, peak_flops, step_record
-from .models import causal_lm_loss
 from .weights import load_weights
 
-BUILTIN_INPUTS = {"model": {"kind": "builtin"}, "data": {"kind": "builtin"}}
+BUILTIN_INPUTS = {"model": BUILTIN, "data": {"kind": "builtin"}}
 
 
 def run_modes(spec: JobSpec, plan: PlanDocument | None, modes: dict | None) -> dict:
@@ -64,9 +67,9 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     for fqn in split.fsdp_units:
         dmuon.fully_shard(model.get_submodule(fqn), **fsdp)
     dmuon.fully_shard(model, **fsdp)
-    dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(spec, model))
-    if inputs["model"].get("weights"):
-        load_weights(model, inputs["model"]["weights"])
+    dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(inputs["model"], model))
+    if inputs["model"].weights:
+        load_weights(model, inputs["model"].weights)
     model.train()
     opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
     return model, opt, split
@@ -158,7 +161,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
     r, s, dp_rank, dp_size = _layout(mesh)
-    micros = recipe.micro_batches(spec, dp_size)
+    micros = micro_batches(spec, dp_size)
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
@@ -170,7 +173,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         progress.update(phase="export")
         if start == 0:
             raise RuntimeError(f"nothing to export: no committed checkpoint in {checkpoint_dir}")
-        export_model(model, spec, mesh, export_dir)
+        export_model(model, spec, inputs["model"], mesh, export_dir)
         return model
     for step in range(start, spec.steps):
         progress.update(phase="step", step=step + 1)  # numbered as the records are
@@ -194,15 +197,16 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         nonfinite.check()
     progress.update(phase="export", step=None)
     if export_dir and spec.export.enabled:
-        export_model(model, spec, mesh, export_dir)
+        export_model(model, spec, inputs["model"], mesh, export_dir)
     return model
 
 
-def export_model(model, spec: JobSpec, mesh: DeviceMesh, out_dir: str) -> str:
+def export_model(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str) -> str:
     from .export_config import config_writer
 
     dtype = DTYPES[spec.export.dtype or spec.precision.master_dtype]
-    return export(model, mesh, out_dir, dtype=dtype, write_config=config_writer(spec, model))
+    return export(model, mesh, out_dir, dtype=dtype,
+                  write_config=config_writer(spec, source, model))
 
 
 def train_loop_per_worker(config: dict) -> None:

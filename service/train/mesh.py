@@ -27,13 +27,6 @@ def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]
     return [ordered[r * shard:(r + 1) * shard] for r in range(replicate)]
 
 
-def fsdp2_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of dim 0 that FSDP2 gives shard ``shard`` of ``shards``: chunks of
-    ceil(rows / shards), as ``torch.chunk`` cuts them, the last ones short or empty."""
-    per = -(-rows // shards)
-    return min(rows, shard * per), min(rows, (shard + 1) * per)
-
-
 def device() -> torch.device:
     if torch.cuda.is_available():
         dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))

@@ -8,8 +8,8 @@ import math
 
 import torch
 
+from ..models.dtypes import DTYPES
 from ..spec import JobSpec
-from .dtypes import DTYPES
 
 
 def lr_factor(spec: JobSpec, step: int) -> float:
@@ -29,19 +29,6 @@ def lr_factor(spec: JobSpec, step: int) -> float:
         start = spec.steps - decay_steps
         shape = 1.0 if step < start else 1 - (step - start + 1) / decay_steps
     return s.min_lr_ratio + (1 - s.min_lr_ratio) * max(0.0, shape)
-
-
-def micro_batches(spec: JobSpec, dp_size: int) -> int:
-    """Micro-batches per optimizer step to reach ``global_batch_tokens``; refuses a
-    global batch that is not a whole number of them (field ``global_batch_tokens``)."""
-    per_micro = spec.batch_size * spec.seq_len * dp_size
-    if spec.global_batch_tokens is None:
-        return 1
-    if spec.global_batch_tokens % per_micro:
-        raise ValueError(f"global_batch_tokens: {spec.global_batch_tokens} is not a multiple "
-                         f"of batch_size x seq_len x {dp_size} data-parallel ranks = "
-                         f"{per_micro}")
-    return spec.global_batch_tokens // per_micro
 
 
 def mp_policy(spec: JobSpec):

@@ -16,8 +16,8 @@ from torch import nn
 import dmuon
 from dmuon.state_dict import canonical_fqn
 
+from ..plan.layout import fsdp2_rows
 from .export import INDEX
-from .mesh import fsdp2_rows
 
 
 def _key_files(weights_dir: str) -> dict[str, str]:

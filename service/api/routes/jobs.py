@@ -11,11 +11,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from ...inputs import resolve_inputs, resolve_model
-from ...packages import PackageError, runtime_working_dir
+from ...inputs.packages import PackageError, runtime_working_dir
+from ...models.params import ParamRuleError
 from ...plan.document import PlanDocument
-from ...planner import PlacementError, plan_document
+from ...plan.layout import PlacementError
+from ...plan.make import plan_document
 from ...spec import JobSpec, SpecError, text
-from ...train.params import ParamRuleError
 from ..guard import JobId, guarded
 from ..schema import STATES
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, HTTPException, Request
 
-from ...packages import MAX_PACKAGE_BYTES, PackageError, store_package
+from ...inputs.packages import MAX_PACKAGE_BYTES, PackageError, store_package
 from ..guard import guarded
 
 admin = APIRouter(route_class=guarded("admin"), tags=["packages"])

@@ -11,7 +11,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from .spec_types import DataPath, StrictModel
+from .types import DataPath, StrictModel
 
 TOKEN_SUFFIXES = (".bin", ".npy")
 

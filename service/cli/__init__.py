@@ -22,14 +22,14 @@ import time
 
 import click
 
-from .cli_http import DEFAULT_URL, ServiceError, request
-from .cli_output import failure_line, plan_text, reason_details, setup_logging
-from .cli_progress import follow
-from .packages import RAY_URI, PackageError, zip_directory
-from .spec import SpecError, load_spec
-from .spec_files import SpecFileError
-from .train.prepare import add_arguments as prepare_args
-from .train.prepare import run as run_prepare
+from ..inputs.packages import RAY_URI, PackageError, zip_directory
+from ..inputs.prepare import add_arguments as prepare_args
+from ..inputs.prepare import run as run_prepare
+from ..spec import SpecError, load_spec
+from ..spec.files import SpecFileError
+from .http import DEFAULT_URL, ServiceError, request
+from .output import failure_line, plan_text, reason_details, setup_logging
+from .progress import follow
 
 __all__ = ["ServiceError", "follow", "main", "request"]
 log = logging.getLogger("service.cli")
@@ -193,7 +193,7 @@ for _command in (submit, plan):
     _command.help = _command.help.format(spec_files=SPEC_FILES)
 
 
-# -- prepare: its options are service.train.prepare's (one definition for both entry points)
+# -- prepare: its options are service.inputs.prepare's (one definition for both entry points)
 PREPARE_HELP = {"shard_tokens": "At most this many tokens per shard file."}
 PREPARE_METAVAR = {"tokenizer": "FILE", "out": "DIR", "field": "NAME", "val_every": "K",
                    "shard_tokens": "N"}
@@ -258,7 +258,3 @@ def main(argv=None) -> int:
     except (ServiceError, SpecError, PackageError, OSError) as e:
         log.error("%s", e)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Built-in model shapes: Llama-style dimensions and the named presets, without torch.
 
-The job spec (torch-free) validates against them; ``service.train.models`` builds the modules.
+The job spec (torch-free) validates against them; ``service.models.builtin`` builds the modules.
 """
 
 from __future__ import annotations

@@ -33,6 +33,10 @@ def _printable(text: str) -> str:
     return text
 
 
+
+class SpecError(ValueError):
+    """A spec that failed validation; the message lists every field path and reason."""
+
 def text(max_length: int, min_length: int = 0):
     """A string field type: bounded, printable Unicode."""
     return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length),

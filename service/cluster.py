@@ -1,6 +1,8 @@
-"""A Ray head on 127.0.0.1 that the control plane starts when ``RAY_ADDRESS`` is unset.
+"""The cluster a job runs on: its inventory (alive nodes and their logical resources, from
+Ray, from Ray's dashboard, or synthetic for planning), and the Ray head on 127.0.0.1 that
+the control plane starts when ``RAY_ADDRESS`` is unset.
 
-It runs as a separate ``ray start --head --block`` process in its own session, so it
+The head runs as a separate ``ray start --head --block`` process in its own session, so it
 outlives the service: a restarted (even SIGKILLed) service finds it through
 ``<state_dir>/ray_head.json`` and re-attaches, and running jobs go on. ``stop()`` ends
 that session and every process started with the head's private temp dir; it never runs
@@ -17,10 +19,50 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 STATE_FILE = "ray_head.json"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    ip: str
+    cpus: float
+    gpus: float
+    resources: dict = field(default_factory=dict)
+
+
+def inventory_from_ray() -> list[NodeInfo]:
+    """The alive nodes of the connected Ray cluster with their logical resources."""
+    import ray
+
+    nodes = []
+    for n in ray.nodes():
+        if not n.get("Alive"):
+            continue
+        res = n.get("Resources", {})
+        nodes.append(NodeInfo(n["NodeID"], n["NodeManagerAddress"], res.get("CPU", 0),
+                              res.get("GPU", 0), dict(res)))
+    return nodes
+
+
+def inventory_from_dashboard(address: str, timeout_s: float = 5) -> list[NodeInfo]:
+    """The same, read through the Ray dashboard at ``address`` by Ray's state API: for the
+    control plane, which is not a Ray driver."""
+    from ray.util.state import list_nodes
+
+    return [NodeInfo(n.node_id, n.node_ip, n.resources_total.get("CPU", 0),
+                     n.resources_total.get("GPU", 0), dict(n.resources_total))
+            for n in list_nodes(address=address, detail=True, timeout=int(timeout_s),
+                                raise_on_missing_output=False)
+            if n.state == "ALIVE"]
+
+
+def synthetic_inventory(nodes: int, gpus_per_node: int, cpus_per_node: int = 64):
+    return [NodeInfo(f"node{i}", f"10.0.0.{i}", cpus_per_node, gpus_per_node)
+            for i in range(nodes)]
 
 
 def free_port() -> int:
@@ -101,8 +143,6 @@ class LocalRayHead:
     def ready(self) -> bool:
         """The dashboard answers and lists the head's node as alive: until then jobs
         and plans would see a cluster of no nodes."""
-        from .planner import inventory_from_dashboard
-
         try:
             return bool(inventory_from_dashboard(self.dashboard, timeout_s=2))
         except Exception:  # noqa: BLE001 - not up yet: Ray raises several kinds

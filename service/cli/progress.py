@@ -21,8 +21,8 @@ import time
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from .cli_http import ServiceError, job_events, request
-from .cli_output import failure_line
+from .http import ServiceError, job_events, request
+from .output import failure_line
 
 log = logging.getLogger("service.cli")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from .model_config import ModelConfig
-from .spec_data import DataSpec
-from .spec_model import ModelRef, builtin_config, check_preset
-from .spec_recipe import (
+from ..models.presets import ModelConfig
+from .data import DataSpec
+from .model import ModelRef, builtin_config, check_preset
+from .recipe import (
     CheckpointSpec,
     CompileSpec,
     DMuonSpec,
@@ -26,18 +26,17 @@ from .spec_recipe import (
     PrecisionSpec,
     ScheduleSpec,
 )
-from .spec_types import (  # noqa: F401 - the spec's field types, re-exported
+from .types import (  # noqa: F401 - the spec's field types, re-exported
     Betas,
     Coefficients,
     Count,
     DtypeName,
+    SpecError,
     StrictModel,
     either,
     text,
 )
 
-# dtype names of the spec; the worker maps them to torch dtypes (service.train.dtypes)
-DTYPE_NAMES = ("bfloat16", "float16", "float32", "float64")
 MAX_SEED = 2**32 - 1  # the data order is seeded with seed * 1_000_003 + step in int64
 MAX_DATA_BYTES = 256 << 20  # a text corpus is read whole by every worker
 NAME_LENGTH = 128
@@ -163,10 +162,6 @@ def known_max_seq_len(model) -> int | None:
     return model.config.get("max_position_embeddings")
 
 
-class SpecError(ValueError):
-    """A spec that failed validation; the message lists every field path and reason."""
-
-
 def field_path(loc) -> str:
     """``spec.model.dim``: a location as the user wrote it, without union tags."""
     return ".".join(str(p) for p in loc if not str(p).startswith("<"))
@@ -184,8 +179,8 @@ def parse_spec(data: Any) -> JobSpec:
 
 
 def load_spec(path: str | pathlib.Path) -> JobSpec:
-    """A spec from a YAML, JSON or TOML file, by its extension (``service.spec_files``:
+    """A spec from a YAML, JSON or TOML file, by its extension (``service.spec.files``:
     a file that does not parse is a ``SpecFileError`` naming its line and column)."""
-    from .spec_files import read_spec_file
+    from .files import read_spec_file
 
     return parse_spec(read_spec_file(path))

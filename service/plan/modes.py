@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .spec_recipe import DMuonSpec
+    from ..spec.recipe import DMuonSpec
 
 GB = 1e9
 HEADROOM = 0.9  # allocator fragmentation, CUDA context, NCCL buffers

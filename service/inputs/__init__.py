@@ -15,9 +15,10 @@ import os
 import re
 import stat
 
-from .spec import MAX_DATA_BYTES, JobSpec, SpecError
-from .spec_model import builtin_config
-from .train.shards import ShardError, describe, match, max_token, split_part, window_count
+from ..models.source import ModelSource
+from ..spec import MAX_DATA_BYTES, JobSpec, SpecError
+from ..spec.model import builtin_config
+from .shards import ShardError, describe, match, max_token, split_part, window_count
 
 BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
 META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
@@ -140,14 +141,14 @@ def _hf_limits(spec: JobSpec, fields: dict) -> tuple[int | None, int | None]:
     return vocab, longest
 
 
-def resolve_model(spec: JobSpec, root: str) -> tuple[dict, int | None]:
-    """(the model's resolved inputs, its vocabulary size when known)."""
+def resolve_model(spec: JobSpec, root: str) -> tuple[ModelSource, int | None]:
+    """(the model's source, its vocabulary size when known)."""
     model = spec.model
     config = builtin_config(model)
     if config is not None:
-        return {"kind": "builtin"}, config.vocab_size
+        return ModelSource(kind="builtin"), config.vocab_size
     if hasattr(model, "factory"):
-        return {"kind": "factory"}, model.vocab_size
+        return ModelSource(kind="factory"), model.vocab_size
     fields, where = hf_config(spec, root)
     vocab, longest = _hf_limits(spec, fields)
     if longest is not None and spec.seq_len > longest:
@@ -159,7 +160,7 @@ def resolve_model(spec: JobSpec, root: str) -> tuple[dict, int | None]:
         if not os.path.isdir(weights) or not match(os.path.join(weights, "*.safetensors")):
             raise SpecError(f"model.weights: no *.safetensors in {model.weights!r} under "
                             "the data root")
-    return {"kind": "hf", "config": fields, "config_dir": where, "weights": weights}, vocab
+    return ModelSource(kind="hf", config=fields, config_dir=where, weights=weights), vocab
 
 
 def newest_checkpoint(root: str) -> str | None:

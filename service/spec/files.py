@@ -16,7 +16,7 @@ import re
 import tomllib
 from typing import Any
 
-from .spec import SpecError
+from .types import SpecError
 
 FORMATS = {".yaml": "YAML", ".yml": "YAML", ".json": "JSON", ".toml": "TOML"}
 # tomllib's messages before Python 3.14, which adds lineno and colno to the error

@@ -19,12 +19,12 @@ import subprocess
 import sys
 import time
 
-from . import cli
-from .api.serve import wait_healthy
-from .cli_output import setup_logging
-from .local_ray import free_port, stop_recorded
+from .. import cli
+from ..api.serve import wait_healthy
+from ..cli.output import setup_logging
+from ..cluster import free_port, stop_recorded
 
-log = logging.getLogger("service.demo")
+log = logging.getLogger("service.dev.demo")
 
 DEFAULT_JOB = {"name": "demo", "model": "small", "steps": 40, "batch_size": 4,
                "seq_len": 64, "layout": {"replicate": 2, "shard": 2},
@@ -55,7 +55,7 @@ def _interrupt(signum, frame):
 
 
 def main() -> int:
-    setup_logging(names=("service.cli", "service.demo"))
+    setup_logging(names=("service.cli", "service.dev.demo"))
     signal.signal(signal.SIGTERM, _interrupt)  # clean up as on Ctrl-C
     root = os.path.abspath(os.environ.get("DEMO_DIR", "demo_runs"))
     port = _port(int(os.environ.get("DEMO_PORT", "8000")))

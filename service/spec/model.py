@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from .model_config import PRESETS, ModelConfig
-from .spec_types import DataPath, StrictModel, either, text
+from ..models.presets import PRESETS, ModelConfig
+from .types import DataPath, StrictModel, either, text
 
 CONFIG_FIELDS = 512  # a Hugging Face config has a few dozen fields
 

@@ -1,7 +1,7 @@
 """``dmuon-svc prepare``: text or JSONL into token shards for ``data.source``.
 
     dmuon-svc prepare --tokenizer tokenizer.json --out data/shards corpus.jsonl [more ...]
-    ray job submit ... -- python -m service.train.prepare --ray --tokenizer ... --out ...
+    ray job submit ... -- python -m service.inputs.prepare --ray --tokenizer ... --out ...
 
 Inputs: ``.jsonl`` files (one JSON object per line; ``--field``, default ``text``) or
 plain text files (one document each). Each document is tokenized with a Hugging Face

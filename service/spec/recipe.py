@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from .spec_types import DtypeName, Regex, StrictModel, text
+from .types import DtypeName, Regex, StrictModel, text
 
 JOB_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # the store's ids (service.api.guard.JOB_ID)
 

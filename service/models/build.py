@@ -11,19 +11,20 @@ import torch
 from torch import nn
 
 from ..spec import JobSpec
-from ..spec_model import builtin_config
-from .models import build_model, init_builtin
+from ..spec.model import builtin_config
+from .builtin import build_model, init_builtin
 from .params import ParamSplit, find_blocks, split_params
+from .source import ModelSource
 
 
-def _hf_class_and_config(spec: JobSpec, model_inputs: dict, dtype: torch.dtype):
+def _hf_class_and_config(spec: JobSpec, source: ModelSource, dtype: torch.dtype):
     import transformers
 
-    fields = dict(model_inputs["config"])
+    fields = dict(source.config)
     arch = spec.model.architecture(fields)
     cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM
-    if model_inputs.get("config_dir"):
-        config = transformers.AutoConfig.from_pretrained(model_inputs["config_dir"],
+    if source.config_dir:
+        config = transformers.AutoConfig.from_pretrained(source.config_dir,
                                                          **spec.model.config)
     else:
         config = cls.config_class(**fields)
@@ -34,13 +35,12 @@ def _hf_class_and_config(spec: JobSpec, model_inputs: dict, dtype: torch.dtype):
     return cls, config
 
 
-def build_on_meta(spec: JobSpec, model_inputs: dict, dtype: torch.dtype) -> nn.Module:
+def build_on_meta(spec: JobSpec, source: ModelSource, dtype: torch.dtype) -> nn.Module:
     """The model with every tensor on the meta device (nothing allocated)."""
-    config = builtin_config(spec.model)
-    if config is not None:
-        return build_model(config, dtype=dtype, device="meta")
-    if model_inputs["kind"] == "hf":
-        cls, hf_config = _hf_class_and_config(spec, model_inputs, dtype)
+    if source.kind == "builtin":
+        return build_model(builtin_config(spec.model), dtype=dtype, device="meta")
+    if source.kind == "hf":
+        cls, hf_config = _hf_class_and_config(spec, source, dtype)
         with torch.device("meta"):
             if cls.__name__.startswith("Auto"):
                 return cls.from_config(hf_config, dtype=dtype)
@@ -64,26 +64,23 @@ class PreparedModel:
     split: ParamSplit
 
 
-def prepare_on_meta(spec: JobSpec, model_inputs: dict, dtype: torch.dtype) -> PreparedModel:
+def prepare_on_meta(spec: JobSpec, source: ModelSource, dtype: torch.dtype) -> PreparedModel:
     """Build on meta, apply per-block activation checkpointing, split the params: the one
     way the planner and the workers both make the model, so the FQNs the plan names are
     the ones the workers see (``checkpoint_wrapper`` renames a factory model's)."""
-    model = build_on_meta(spec, model_inputs, dtype)
-    checkpoint_blocks(spec, model, find_blocks(model))
+    model = build_on_meta(spec, source, dtype)
+    checkpoint_blocks(spec, source, model, find_blocks(model))
     split = split_params(model, muon_params=spec.dmuon.muon_params,
                          adamw_params=spec.dmuon.adamw_params,
                          hook_boundaries=spec.dmuon.hook_boundaries)
     return PreparedModel(model, find_blocks(model), split)
 
 
-def init_rule(spec: JobSpec, model: nn.Module):
+def init_rule(source: ModelSource, model: nn.Module):
     """``init_fn`` for ``dmuon.materialize``: the built-in rule, Hugging Face's
     ``_init_weights``, or None (a block's ``init_weights()``/``reset_parameters()``)."""
-    if builtin_config(spec.model) is not None:
-        return init_builtin
-    if hasattr(spec.model, "hf_arch"):
-        return model._init_weights
-    return None
+    return {"builtin": init_builtin, "hf": getattr(model, "_init_weights", None)}.get(
+        source.kind)
 
 
 def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -102,14 +99,15 @@ def compile_blocks(spec: JobSpec, model: nn.Module, blocks: list[str]) -> None:
             model.get_submodule(fqn).compile(**spec.compile.options())
 
 
-def checkpoint_blocks(spec: JobSpec, model: nn.Module, blocks: list[str]) -> None:
+def checkpoint_blocks(spec: JobSpec, source: ModelSource, model: nn.Module,
+                      blocks: list[str]) -> None:
     """Per-block activation checkpointing, before DMuon and FSDP2 are applied."""
     how = spec.activation_checkpointing
     if how == "none":
         return
-    if builtin_config(spec.model) is not None:
+    if source.kind == "builtin":
         model.model.activation_checkpointing = how
-    elif hasattr(model, "gradient_checkpointing_enable"):
+    elif source.kind == "hf":
         model.gradient_checkpointing_enable(
             gradient_checkpointing_kwargs={"use_reentrant": how == "reentrant"})
     else:

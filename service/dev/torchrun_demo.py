@@ -1,6 +1,6 @@
 """The DMuon core without Ray or the service: a 4-process CPU training under torchrun.
 
-``make demo-torchrun`` runs ``torchrun -m service.torchrun_demo`` on 4 processes: the
+``make demo-torchrun`` runs ``torchrun -m service.dev.torchrun_demo`` on 4 processes: the
 built-in model on the built-in corpus with DMuon on a 1-D shard mesh, printing the
 ownership table, then per step the loss, step time and DMuon's shard-group bytes.
 """
@@ -18,8 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon.testing import leave_process_group
+from service.models.builtin import build_model, causal_lm_loss, get_config, muon_predicate
 from service.train.corpus import batch_at, load_corpus
-from service.train.models import build_model, causal_lm_loss, get_config, muon_predicate
 
 
 def main() -> None:

@@ -1,0 +1,107 @@
+"""How a layout is chosen and what it splits: R x N (replicate x shard) from a cluster
+inventory and the spec, the check that a stored layout still fits the cluster, the
+micro-batches per step, and the rows FSDP2 gives each shard.
+
+Torch-free: the control plane and the workers both use it."""
+
+from __future__ import annotations
+
+import math
+
+from ..cluster import NodeInfo
+from ..spec import JobSpec
+from .document import Layout
+
+MAX_WORKERS = 16384  # per job: far past any cluster we plan for, and a plan stays quick
+
+
+class PlacementError(ValueError):
+    """A layout that cannot run on this cluster; the message says why."""
+
+
+def slots(node: NodeInfo, spec: JobSpec) -> int:
+    """How many workers of ``spec.resources_per_worker`` fit on ``node`` (at most 1024)."""
+    req = spec.resources_per_worker
+    fits = [node.cpus // req.CPU if req.CPU else math.inf,
+            node.gpus // req.GPU if req.GPU else math.inf]
+    fits += [node.resources.get(k, 0) // v for k, v in req.custom.items() if v]
+    n = min(fits)
+    return 0 if n == math.inf else int(min(n, 1024))
+
+
+def _factorised(spec: JobSpec, n_nodes: int, per_node: int) -> tuple[int, int]:
+    """(R, N) as the spec factorises the workers (replicate across nodes by default)."""
+    lay, total = spec.layout, n_nodes * per_node
+    if lay.replicate is None and lay.shard is None:
+        return n_nodes, per_node
+    R = lay.replicate or total // lay.shard
+    N = lay.shard or total // lay.replicate
+    if R * N != total:
+        raise PlacementError(
+            f"{R} x {N} = {R * N} workers cannot be split evenly over {n_nodes} nodes of "
+            f"{per_node} workers ({total} in all)")
+    if per_node % N and N % per_node:
+        raise PlacementError(
+            f"shard size N={N} must divide or be a multiple of {per_node} workers per "
+            "node, so that shard groups do not straddle nodes unevenly")
+    return R, N
+
+
+def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
+    """(nodes used, R, N). Refuses uneven or impossible layouts with the reason."""
+    lay = spec.layout
+    usable = [n for n in nodes if slots(n, spec) > 0]
+    if not usable:
+        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}")
+    n_nodes = len(usable) if lay.nodes == "auto" else lay.nodes
+    if n_nodes > len(usable):
+        raise PlacementError(f"layout.nodes={n_nodes} but only {len(usable)} nodes fit a worker")
+    per_node = min(slots(n, spec) for n in usable[:n_nodes])
+    if lay.workers_per_node != "auto":
+        if lay.workers_per_node > per_node:
+            raise PlacementError(
+                f"layout.workers_per_node={lay.workers_per_node} but a node fits only "
+                f"{per_node} workers of {spec.resources_per_worker.model_dump()}")
+        per_node = lay.workers_per_node
+    total = n_nodes * per_node
+    if total > MAX_WORKERS:
+        raise PlacementError(f"{n_nodes} nodes x {per_node} workers = {total} workers; a job "
+                             f"may have at most {MAX_WORKERS}")
+    cluster_cpus = sum(n.cpus for n in nodes)
+    if total * spec.resources_per_worker.CPU > cluster_cpus:
+        raise PlacementError(f"{total} workers need more than the cluster's {cluster_cpus:g} CPUs")
+    return (n_nodes, *_factorised(spec, n_nodes, per_node))
+
+
+def check_fits(layout: Layout, spec: JobSpec, nodes: list[NodeInfo]) -> None:
+    """Refuse, with the reason, a stored layout that the cluster cannot hold now: its
+    ``nodes`` nodes must each fit ``replicate * shard / nodes`` workers of the spec."""
+    world, wanted = layout.world_size, layout.nodes
+    per_node = -(-world // wanted)
+    fitting = [n for n in nodes if slots(n, spec) >= per_node]
+    if len(fitting) < wanted:
+        raise PlacementError(
+            f"the stored plan ({layout.replicate} x {layout.shard} on {wanted} "
+            f"node(s), {per_node} workers of {spec.resources_per_worker.model_dump()} each) "
+            f"no longer fits: {len(fitting)} of the cluster's {len(nodes)} alive node(s) "
+            f"can hold {per_node} workers")
+
+
+def micro_batches(spec: JobSpec, dp_size: int) -> int:
+    """Micro-batches per optimizer step to reach ``global_batch_tokens``; refuses a
+    global batch that is not a whole number of them (field ``global_batch_tokens``)."""
+    per_micro = spec.batch_size * spec.seq_len * dp_size
+    if spec.global_batch_tokens is None:
+        return 1
+    if spec.global_batch_tokens % per_micro:
+        raise ValueError(f"global_batch_tokens: {spec.global_batch_tokens} is not a multiple "
+                         f"of batch_size x seq_len x {dp_size} data-parallel ranks = "
+                         f"{per_micro}")
+    return spec.global_batch_tokens // per_micro
+
+
+def fsdp2_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of dim 0 that FSDP2 gives shard ``shard`` of ``shards``: chunks of
+    ceil(rows / shards), as ``torch.chunk`` cuts them, the last ones short or empty."""
+    per = -(-rows // shards)
+    return min(rows, shard * per), min(rows, (shard + 1) * per)

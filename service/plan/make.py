@@ -1,0 +1,99 @@
+"""The plan document of a submission, made once: the layout on the attached cluster (or
+on assumed nodes, with the reason), the predictions, and the partition; or, for a model
+only the job's own processes can import, the layout alone (deferred: the job's
+entrypoint completes it, once, before any worker starts)."""
+
+from __future__ import annotations
+
+import threading
+
+from ..cluster import NodeInfo, synthetic_inventory
+from ..models.source import ModelSource
+from ..spec import JobSpec
+from .document import Inventory, Layout, PlanDocument
+from .layout import PlacementError, choose_layout
+from .predict import Placement, predict
+
+
+def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                  model_inputs: dict | None = None) -> PlanDocument:
+    """``_plan_document`` for this spec and cluster, computed once: submissions come in
+    bursts of the same spec (retries, sweeps), and a plan builds a model."""
+    key = (spec.model_dump_json(), repr(cluster), assumed_cpus,
+           model_inputs.model_dump_json() if model_inputs is not None else None)
+    with _PLANS_LOCK:
+        cached = _PLANS.get(key)
+    if cached is None:
+        cached = _plan_document(spec, cluster, assumed_cpus, model_inputs).model_dump_json()
+        with _PLANS_LOCK:
+            _PLANS[key] = cached
+            while len(_PLANS) > 64:
+                _PLANS.pop(next(iter(_PLANS)))
+    return PlanDocument.model_validate_json(cached)
+
+
+_PLANS: dict[tuple, str] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                   model_inputs: dict | None = None) -> PlanDocument:
+    """The plan as stored with a job and run by its entrypoint: layout, per-rank
+    predictions, the partition, and the nodes it was planned on. Those are the attached
+    cluster's when the job fits them now; else (no cluster, or one that must grow first)
+    ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason."""
+    try:
+        if not cluster:
+            raise PlacementError("no Ray cluster attached" if cluster is None else
+                                 "the Ray cluster lists no alive node")
+        layout = choose_layout(cluster, spec)
+        nodes, inventory = cluster, {"source": "cluster", "nodes": len(cluster)}
+    except PlacementError as on_cluster:
+        count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        nodes = synthetic_inventory(count, 0, cpus_per_node=assumed_cpus)
+        layout = choose_layout(nodes, spec)
+        inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
+                     "reason": str(on_cluster)}
+    try:
+        placement = predict(spec, nodes, model_inputs=model_inputs, layout=layout)
+    except ImportError as e:  # a factory importable only from the job's working_dir
+        return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
+    return placement_document(placement, inventory)
+
+
+def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) -> None:
+    """Refuse (``dmuon.PlanMismatch``, naming the first param that differs) a complete plan
+    whose partition does not describe the model the workers will build: where the job
+    starts, before any worker does (each worker's ``dedicate_params`` checks it again)."""
+    from dmuon.partition import DedicationPlan, check_plan, model_entries
+
+    from ..models.build import prepare_on_meta
+    from ..models.dtypes import DTYPES
+
+    prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
+    entries = model_entries(model, split.predicate, split.boundary_predicate(model))
+    check_plan(DedicationPlan.from_dict(plan.partition), entries, plan.layout.shard,
+               plan.layout.replicate)
+
+
+def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
+    return PlanDocument(
+        layout=Layout(replicate=placement.replicate, shard=placement.shard,
+                      nodes=placement.nodes),
+        inventory=Inventory(**inventory), modes=placement.modes.to_dict(),
+        param_groups=placement.split, ranks=[r.__dict__ for r in placement.ranks],
+        partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
+
+
+def deferred_document(spec: JobSpec, layout: tuple[int, int, int], inventory: dict,
+                      reason: str) -> PlanDocument:
+    """The layout alone, for a model only the job's own processes can import: the job's
+    entrypoint completes the plan (partition, mode) once, before any worker starts, and
+    stores it with the job."""
+    n_nodes, R, N = layout
+    placement = Placement(spec, n_nodes, R, N, None, [])
+    return PlanDocument(
+        layout=Layout(replicate=R, shard=N, nodes=n_nodes), inventory=Inventory(**inventory),
+        deferred=f"the model cannot be built here ({reason}); the job plans it",
+        scaling=placement.scaling_config_kwargs())

@@ -1,0 +1,217 @@
+"""The architecture, checked from the source (AST, no tool): the import graph has no cycle
+in ``dmuon/`` or ``service/``; the control plane reaches no module of the workers'
+package; the request path the docs list follows the imports; and the code keeps its
+shape: no file over 500 lines, no function over 60 (45 in ``dmuon/``), no block of six
+lines repeated with the same shape."""
+
+from __future__ import annotations
+
+import ast
+import io
+import os
+import re
+import tokenize
+from functools import cache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = ("dmuon", "service")
+CONTROL_PLANE = ("service.api.app", "service.api.serve", "service.cli")
+WORKERS = "service.train"
+PATH_DOC = os.path.join(ROOT, "docs", "job-path.md")
+
+
+@cache
+def modules() -> dict[str, str]:
+    """Module name -> file, for every module of the two packages."""
+    out = {}
+    for package in PACKAGES:
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in files:
+                if name.endswith(".py"):
+                    rel = os.path.relpath(os.path.join(folder, name), ROOT)[:-3]
+                    mod = rel.replace(os.sep, ".")
+                    out[mod.removesuffix(".__init__")] = os.path.join(folder, name)
+    return out
+
+
+def _base(mod: str, path: str, level: int) -> str:
+    package = mod if path.endswith("__init__.py") else mod.rpartition(".")[0]
+    parts = package.split(".")
+    return ".".join(parts[:len(parts) - level + 1])
+
+
+@cache
+def imports(mod: str) -> frozenset[str]:
+    """The project modules ``mod`` imports, at any depth of its code (function bodies too)."""
+    path, found = modules()[mod], set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(p for p in (_base(mod, path, node.level), base) if p)
+            subs = [f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in modules()]
+            found.update(subs or [base])
+    return frozenset(m for m in found if m in modules() and m != mod)
+
+
+def _cycle_from(start: str) -> list[str] | None:
+    stack, on_path, done = [(start, iter(sorted(imports(start))))], [start], set()
+    while stack:
+        mod, children = stack[-1]
+        child = next(children, None)
+        if child is None:
+            stack.pop()
+            on_path.pop()
+            done.add(mod)
+        elif child in on_path:
+            return on_path[on_path.index(child):] + [child]
+        elif child not in done:
+            stack.append((child, iter(sorted(imports(child)))))
+            on_path.append(child)
+    return None
+
+
+def test_no_import_cycle_in_dmuon_or_service():
+    cycles = {" -> ".join(c) for c in map(_cycle_from, sorted(modules())) if c}
+    assert not cycles, "\n".join(sorted(cycles))
+
+
+def reachable(start: str) -> dict[str, str]:
+    """Every module ``start`` reaches, with the module that first imports it."""
+    seen, todo = {start: ""}, [start]
+    while todo:
+        mod = todo.pop()
+        for child in sorted(imports(mod)):
+            if child not in seen:
+                seen[child] = mod
+                todo.append(child)
+    return seen
+
+
+def test_the_control_plane_imports_nothing_of_the_workers_package():
+    for start in CONTROL_PLANE:
+        seen = reachable(start)
+        bad = sorted(m for m in seen if m == WORKERS or m.startswith(WORKERS + "."))
+        assert not bad, f"{start} reaches {bad[0]} (imported by {seen[bad[0]]})"
+
+
+def test_dmuon_imports_nothing_of_the_service():
+    for mod in modules():
+        if mod.startswith("dmuon"):
+            assert not [m for m in imports(mod) if m.startswith("service")], mod
+
+
+def _path_files() -> list[str]:
+    """The files of the numbered list under "## The path of a job" in the docs."""
+    text = open(PATH_DOC).read()
+    section = text.split("## The path of a job", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\d+\. `([\w/]+\.py)`", section, flags=re.M)
+
+
+def _module(file: str) -> str:
+    return file[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def _leads_to(before: str, mod: str) -> bool:
+    """``before`` imports ``mod`` (itself, or through a package it imports), or names it
+    as a module to run (``python -m``)."""
+    direct = imports(before)
+    through = {m for p in direct if modules()[p].endswith("__init__.py") for m in imports(p)}
+    named = re.search(rf"[\"']{re.escape(mod)}[\"']", open(modules()[before]).read())
+    return mod in direct or mod in through or named is not None
+
+
+def test_the_request_path_in_the_docs_follows_the_imports():
+    """From ``POST /v1/jobs`` to ``optimizer.step()``: at most 12 files, each one handed
+    the job by one before it."""
+    files = _path_files()
+    assert "service/api/routes/jobs.py" in files and files[-1] == "dmuon/optim.py", files
+    assert 2 <= len(files) <= 12, files
+    for i, after in enumerate(files[1:], 1):
+        mod = _module(after)
+        assert any(_leads_to(_module(b), mod) for b in files[:i]), \
+            f"no file before {after} in the list leads to it"
+
+
+def _functions(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_files_and_functions_keep_their_size():
+    too_long = []
+    for mod, path in modules().items():
+        source, where = open(path).read(), os.path.relpath(path, ROOT)
+        if source.count("\n") > 500:
+            too_long.append(f"{where}: {source.count(chr(10))} lines")
+        limit = 45 if mod.startswith("dmuon") else 60
+        too_long += [f"{where}:{fn.lineno} {fn.name}: {fn.end_lineno - fn.lineno + 1} lines"
+                     for fn in _functions(ast.parse(source))
+                     if fn.end_lineno - fn.lineno + 1 > limit]
+    assert not too_long, "\n".join(too_long)
+
+
+def _shape(line: str) -> str:
+    """A line with its names, strings and numbers replaced: lines of the same shape."""
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(line).readline):
+            if tok.type == tokenize.NAME and tok.string not in KEYWORDS:
+                out.append("N")
+            elif tok.type in (tokenize.STRING, tokenize.NUMBER):
+                out.append("L")
+            elif tok.type == tokenize.OP:
+                out.append(tok.string)
+            elif tok.type == tokenize.NAME:
+                out.append(tok.string)
+    except (tokenize.TokenError, IndentationError, SyntaxError):
+        return line.strip()
+    return " ".join(out)
+
+
+KEYWORDS = {"def", "return", "if", "else", "elif", "for", "in", "not", "and", "or", "with",
+            "as", "try", "except", "raise", "import", "from", "class", "while", "yield",
+            "lambda", "is", "None", "True", "False", "async", "await", "finally", "pass"}
+
+
+def _code_lines(path: str) -> list[tuple[int, str]]:
+    out = []
+    for number, line in enumerate(open(path).read().splitlines(), 1):
+        text = line.strip()
+        if text and not text.startswith(("#", '"""', "'''", "@")) and \
+                not re.fullmatch(r"[\])}]+,?|\)\s*(->.*)?:", text) and \
+                not text.startswith(("import ", "from ")):
+            shape = _shape(text)
+            if shape.count(" ") >= 3:  # thin lines (a name, a field, a literal) say little
+                out.append((number, shape))
+    return out
+
+
+def _near(a: tuple[str, int], b: tuple[str, int]) -> bool:
+    """Overlapping windows of one run of same-shaped lines."""
+    return a[0] == b[0] and abs(a[1] - b[1]) < 6
+
+
+def test_no_block_of_six_lines_is_repeated():
+    """Runs of six code lines of one shape (names, strings and numbers aside), thin lines
+    and lists of like lines passed over, as the ``duplicates`` tool reads them. Migrations
+    are left out: each is a frozen copy of the schema as it was then."""
+    first: dict[tuple, tuple[str, int]] = {}
+    repeats = []
+    for path in sorted(modules().values()):
+        where = os.path.relpath(path, ROOT)
+        if "/migrations/" in where:
+            continue
+        lines = _code_lines(path)
+        for i in range(len(lines) - 5):
+            window = tuple(shape for _, shape in lines[i:i + 6])
+            if len(set(window)) < 3:  # a list of like lines (fields, table rows)
+                continue
+            here = (where, lines[i][0])
+            seen = first.setdefault(window, here)
+            if seen != here and not _near(seen, here):
+                repeats.append(f"{where}:{here[1]} repeats {seen[0]}:{seen[1]}")
+    assert not repeats, "\n".join(repeats)
