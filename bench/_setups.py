@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 import dmuon.optim
 from dmuon.optim import adjusted_lr
-from service.models.builtin import build_model, get_config, muon_predicate
+from service.models.builtin import build_model, get_config
+from service.models.params import split_params
 
 NS_DTYPE = torch.float32  # bf16 matmuls are emulated (3x to 58x slower) on these CPUs
 
@@ -84,8 +85,9 @@ class NaiveFSDPMuon(torch.optim.Optimizer):
     NS on it, then keeps its own rows. AdamW for the rest."""
 
     def __init__(self, model, clock: NSClock, lr=0.02, momentum=0.95, adamw_lr=3e-3):
-        muon = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
-        rest = [p for n, p in model.named_parameters() if not muon_predicate(n, p)]
+        rule = split_params(model).predicate
+        muon = [p for n, p in model.named_parameters() if rule(n)]
+        rest = [p for n, p in model.named_parameters() if not rule(n)]
         super().__init__([dict(params=muon, lr=lr)], dict(momentum=momentum))
         self.adamw = torch.optim.AdamW(rest, lr=adamw_lr, betas=(0.9, 0.95))
         self.clock = clock
@@ -123,7 +125,7 @@ def build(setup: Setup, world: int, model_name: str, clock: NSClock,
     fsdp_mesh = mesh if setup.hsdp else mesh["shard"]
     model = build_model(get_config(model_name), seed=0)
     if setup.optimizer == "dmuon":
-        dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+        dmuon.dedicate_params(model, mesh["shard"], predicate=split_params(model).predicate,
                               replicate_mesh=mesh["replicate"] if setup.hsdp else None,
                               reshard_after_forward=setup.z3, prefetch=setup.prefetch)
     for layer in model.model.layers if fsdp_layers or setup.optimizer != "dmuon" else ():

@@ -18,7 +18,8 @@ import dmuon
 from bench._record import write_record
 from bench._setups import NS_DTYPE
 from dmuon.testing import run
-from service.models.builtin import build_model, causal_lm_loss, get_config, muon_predicate
+from service.models.builtin import build_model, causal_lm_loss, get_config
+from service.models.params import split_params
 
 FORMS = ("eager", "torch.compile(block)", "block.compile()")
 
@@ -30,7 +31,7 @@ def _model(form: str, mesh):
             layer.compile()
         elif form == "torch.compile(block)":
             model.model.layers[i] = torch.compile(layer)
-    dmuon.dedicate_params(model, mesh, muon_predicate)
+    dmuon.dedicate_params(model, mesh, split_params(model).predicate)
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=mesh)
     dmuon.fully_shard(model, mesh=mesh)

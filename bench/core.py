@@ -26,7 +26,8 @@ import torch.distributed as dist
 import dmuon
 from bench._setups import NS_DTYPE, SETUPS, NSClock, build, shared_cores, take_turns
 from dmuon.testing import run
-from service.models.builtin import build_model, causal_lm_loss, get_config, muon_predicate
+from service.models.builtin import build_model, causal_lm_loss, get_config
+from service.models.params import split_params
 from service.train.corpus import batch_at, load_corpus
 
 CONFIGS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3",
@@ -98,7 +99,7 @@ def _worker(rank, world, configs, model_name, rounds, steps, batch, seq, ckpt_di
 def _planning_time() -> float:
     t0 = time.perf_counter()
     model = build_model(get_config("llama3-70b"), device="meta")
-    dmuon.partition(model, predicate=muon_predicate, shard_size=64)
+    dmuon.partition(model, predicate=split_params(model).predicate, shard_size=64)
     return time.perf_counter() - t0
 
 

@@ -68,13 +68,14 @@ def _build(world: int):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from service.models.builtin import ModelConfig, build_model, init_builtin, muon_predicate
+    from service.models.builtin import ModelConfig, build_model, init_builtin
+    from service.models.params import split_params
 
     config = ModelConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=4,
                          ffn_dim=5632, max_seq_len=2048)
     mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("shard",))
     model = build_model(config, device="meta")
-    dmuon.dedicate_params(model, mesh, predicate=muon_predicate, prefetch=1)
+    dmuon.dedicate_params(model, mesh, predicate=split_params(model).predicate, prefetch=1)
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=mesh, mp_policy=policy)

@@ -42,14 +42,15 @@ def train(backend: str, coefficients: str, seed: int, steps: int, batch: int, se
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.models.builtin import build_model, causal_lm_loss, muon_predicate
+    from service.models.builtin import build_model, causal_lm_loss
+    from service.models.params import split_params
     from service.train.corpus import batch_at, load_corpus
 
     torch.set_num_threads(1)
     _process_group()
     mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
     model = build_model("small", seed=seed)
-    dmuon.dedicate_params(model, mesh, predicate=muon_predicate)
+    dmuon.dedicate_params(model, mesh, predicate=split_params(model).predicate)
     dmuon.fully_shard(model, mesh=mesh)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_backend=backend,
                      ns_coefficients=coefficients)

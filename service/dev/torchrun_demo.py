@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon.testing import leave_process_group
-from service.models.builtin import build_model, causal_lm_loss, get_config, muon_predicate
+from service.models.builtin import build_model, causal_lm_loss, get_config
+from service.models.params import split_params
 from service.train.corpus import batch_at, load_corpus
 
 
@@ -38,7 +39,7 @@ def main() -> None:
     z3 = args.mode == "z3"
 
     model = build_model(get_config(args.model), seed=0)
-    plan = dmuon.dedicate_params(model, mesh, predicate=muon_predicate,
+    plan = dmuon.dedicate_params(model, mesh, predicate=split_params(model).predicate,
                                  reshard_after_forward=z3)
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=mesh, reshard_after_forward=z3)

@@ -1,7 +1,7 @@
 """A small Llama-style causal language model (pure torch) used by the service and benchmarks.
 
 Parameter names follow the familiar ``model.layers.{i}.self_attn.q_proj.weight`` layout so that
-Muon/AdamW parameter grouping (see :func:`muon_predicate`) and checkpoints are easy to reason about.
+Muon/AdamW split (``service.models.params``) and checkpoints are easy to reason about.
 """
 
 from __future__ import annotations
@@ -142,11 +142,6 @@ def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     # Low-precision logits are upcast for a stable softmax; float64 stays float64.
     work = torch.promote_types(logits.dtype, torch.float32)
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), targets.reshape(-1))
-
-
-def muon_predicate(name: str, param: torch.Tensor) -> bool:
-    """True for the 2-D projection matrices inside decoder layers (Muon); False otherwise."""
-    return "model.layers." in name and param.ndim == 2
 
 
 def init_builtin(module: nn.Module) -> None:
