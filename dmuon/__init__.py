@@ -92,6 +92,10 @@ def get_ledger(model) -> Ledger:
     return get_state(model).ledger
 
 
+# What users call, and the types its answers come in: ``get_plan`` gives a DedicationPlan
+# of Assignments, ``get_ledger`` a Ledger, ``memory_report`` counts by MEMORY_KINDS, a
+# stored plan that does not fit is refused with PlanMismatch. ``dmuon.testing`` (the gloo
+# launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
     "Assignment",
     "DedicationPlan",

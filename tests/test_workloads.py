@@ -193,7 +193,7 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
     part = _ran_the_stored_partition(svc, job_id)
     _user_model_split(part, WRAPPED)  # the plan the job completed, stored back
-    assert part["completed_by"] == "entrypoint" and part["deferred"]
+    assert part["completed_by"] == "entrypoint" and part["deferred"] is None
     assert part["params"] and part["modes"]["dmuon"] == "z3"
     assert all(WRAPPED in unit for unit in part["params"])
     JOBS["user"] = job_id

@@ -1,8 +1,7 @@
-"""What runs on Ray: the job's entrypoint (driver), the training loop on the workers, and
-what it needs: models (built-in, Hugging Face, a factory by import path), the Muon/AdamW
-split of their params, token data, the recipe (schedule, clipping, accumulation, mixed
-precision), checkpoints, metrics and export.
-
-Importing this package loads nothing: the control plane imports its torch-free modules
-(``shards``, ``model_source``) to check a spec before any worker starts.
+"""What runs on Ray: the job's driver (``entrypoint``, with the controller's step records
+in ``reports`` and ``tracking``) and each worker's training loop (``loop``) with what only
+it needs: the mesh, the data sampler, the recipe, checkpoints, metrics, export and weight
+loading. The control plane imports nothing from here (``tests/test_architecture.py``);
+the model, the plan and the inputs it shares with the workers live in ``service.models``,
+``service.plan`` and ``service.inputs``.
 """
