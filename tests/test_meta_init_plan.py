@@ -13,7 +13,8 @@ import dmuon
 from dmuon import cost
 from dmuon.testing import run
 from service.cluster import synthetic_inventory
-from service.models.builtin import ModelConfig, build_model, init_builtin, muon_predicate
+from service.models.builtin import ModelConfig, build_model, init_builtin
+from service.models.params import split_params
 from service.plan.predict import predict
 from service.spec import parse_spec
 
@@ -27,7 +28,8 @@ def _setup(layout, config):
     R, N = layout
     mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
     model = build_model(config, device="meta")
-    dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
+    # the service's rule: the one the planner's prediction used
+    dmuon.dedicate_params(model, mesh["shard"], predicate=split_params(model).predicate,
                           replicate_mesh=mesh["replicate"] if R > 1 else None)
     fsdp_mesh = mesh if R > 1 else mesh["shard"]
     for layer in model.model.layers:
