@@ -267,7 +267,7 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage, da
         _, layout, _ = run_job(spec, job_id="two_nodes", storage=storage,
                                return_params=params_path,
                                inputs=resolve_inputs(spec, data_root))
-        assert (layout["replicate"], layout["shard"]) == (2, 2)
+        assert (layout.replicate, layout.shard) == (2, 2)
         records = _records(storage, "two_nodes")
         node = {r["rank"]: r["node_id"] for r in records}
         coord = {r["rank"]: tuple(r["coord"]) for r in records}

@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_serializer
 
 
 class _Doc(BaseModel):
@@ -37,6 +37,10 @@ class Inventory(_Doc):
     nodes: int
     cpus_per_node: int | None = None
     reason: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_unset(self, handler):  # a cluster's inventory is its source and size
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class Modes(_Doc):
