@@ -69,7 +69,7 @@ def _measure(rank, world, spec_data, modes, steps=2):
     state.memory_trace = []
     batches = Batches(BUILTIN_INPUTS["data"], "train", spec.seq_len, spec.seed, 0.05)
     for step in range(steps):
-        train_step(model, opt, spec, batches, step, (rank, world), 1)
+        train_step(model, opt, spec, batches, step, (rank, world), (1, spec.batch_size))
     return (max(b for _, b in state.memory_trace), dmuon.memory_report(model, opt),
             dmuon.get_ledger(model).last_step_by_phase())
 

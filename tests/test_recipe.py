@@ -13,7 +13,7 @@ import torch
 from _hf_reference import LLAMA, QWEN3_MOE
 
 from service.models.params import ParamRuleError, split_params
-from service.plan.layout import micro_batches
+from service.plan.layout import batch_split
 from service.spec import parse_spec
 from service.train.recipe import lr_factor
 
@@ -43,9 +43,9 @@ def test_wsd_holds_then_decays_linearly_over_the_last_fraction():
 
 def test_accumulation_reaches_the_global_batch_or_names_the_field():
     spec = parse_spec({"batch_size": 2, "seq_len": 16, "global_batch_tokens": 512})
-    assert micro_batches(spec, 4) == 4  # 512 / (2 x 16 x 4)
+    assert batch_split(spec, 4) == (4, 2)  # 512 / (2 x 16 x 4) micro-batches of 2 rows
     with pytest.raises(ValueError, match="^global_batch_tokens: 512 is not a multiple"):
-        micro_batches(spec, 3)
+        batch_split(spec, 3)
 
 
 def _hf(config):

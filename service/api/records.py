@@ -24,6 +24,19 @@ Count = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = float | None
 
 
+class LayoutEvent(BaseModel):
+    """A start of the job's worker group (``service.train.layouts``): the first, or a
+    resize or restart, with the layout before and after and the steps it lost."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    reason: text(256, 1)
+    previous: tuple[Count, Count] | None = Field(None, strict=False)
+    layout: tuple[Count, Count] = Field(strict=False)
+    resumed_from: Count
+    steps_lost: Count
+
+
 class StepRecord(BaseModel):
     """One rank's figures for one step, as ``service.train`` reports them."""
 
@@ -49,6 +62,8 @@ class StepRecord(BaseModel):
     rss_bytes: Count | None = None
     time: Number = None
     coord: tuple[Count, Count] | None = Field(None, strict=False)
+    layout: tuple[Count, Count] | None = Field(None, strict=False)  # R x N of this run
+    layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     partition_digest: text(16) | None = None  # of the partition this rank runs
     node_id: text(128) | None = None

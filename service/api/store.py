@@ -149,7 +149,12 @@ class JobStore:
             if row is None:
                 return None
             history = _history(conn, job_id)
-        return {**_job(row), "history": history}
+            events = conn.execute(select(metrics.c.record).where(
+                metrics.c.job_id == job_id, metrics.c.rank == 0,
+                metrics.c.record.like('%"layout_event": {%')).order_by(metrics.c.step)).all()
+        layouts = [{"step": r["step"], **r["layout_event"]}
+                   for r in (json.loads(text) for (text,) in events)]
+        return {**_job(row), "history": history, "layouts": layouts}
 
     def list_jobs(self, status: str | None = None, limit: int = 1000) -> list[dict]:
         cols = [c for c in jobs.c if c.name != "plan"]

@@ -77,12 +77,33 @@ class RankPrediction(_Doc):
 
 
 class Scaling(_Doc):
-    """``ray.train.ScalingConfig``'s arguments."""
+    """``ray.train.ScalingConfig``'s arguments (``min_workers``: an elastic range)."""
 
     num_workers: int
     use_gpu: bool
     resources_per_worker: dict[str, float]
     placement_strategy: str
+    min_workers: int | None = None
+    elastic_resize_monitor_interval_s: float | None = None
+
+    def config_kwargs(self) -> dict:
+        kwargs = self.model_dump(exclude_none=True, exclude={"min_workers"})
+        if self.min_workers is not None:
+            kwargs["num_workers"] = (self.min_workers, self.num_workers)
+        return kwargs
+
+
+class ElasticLayout(_Doc):
+    """One node count of an elastic range: the layout it runs, how its ranks split the
+    global batch, and the predictions and partition made for it; or why it cannot run."""
+
+    layout: Layout
+    micro_batches: int | None = None
+    rows_per_micro: int | None = None
+    modes: Modes | None = None
+    ranks: list[RankPrediction] = []
+    partition: dict | None = None
+    refused: str | None = None
 
 
 class PlanDocument(_Doc):
@@ -96,10 +117,30 @@ class PlanDocument(_Doc):
     # a model only the job's own processes can import: the entrypoint plans it, once
     deferred: str | None = None
     completed_by: Literal["entrypoint"] | None = None
+    # an elastic job: every node count of its range, smallest first; the fields above
+    # are the largest runnable one's, the layout Ray Train asks for first
+    elastic: list[ElasticLayout] | None = None
 
     @property
     def complete(self) -> bool:
         return self.partition is not None
+
+    def runnable(self) -> list[ElasticLayout]:
+        return [e for e in self.elastic or [] if e.refused is None]
+
+    def for_world(self, world_size: int) -> PlanDocument:
+        """The plan of the layout an elastic job runs on ``world_size`` workers (a
+        fixed job's own, when that is its size); ValueError naming the sizes it has."""
+        if self.elastic is None and world_size == self.layout.world_size:
+            return self
+        entry = next((e for e in self.runnable() if e.layout.world_size == world_size), None)
+        if entry is None:
+            sizes = [e.layout.world_size for e in self.runnable()] or [self.layout.world_size]
+            raise ValueError(f"Ray Train started {world_size} workers; the plan has layouts "
+                             f"for {', '.join(map(str, sizes))} workers")
+        return self.model_copy(update={
+            "layout": entry.layout, "modes": entry.modes, "ranks": entry.ranks,
+            "partition": entry.partition})
 
 
 def partition_digest(partition: dict) -> str:

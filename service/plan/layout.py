@@ -87,17 +87,29 @@ def check_fits(layout: Layout, spec: JobSpec, nodes: list[NodeInfo]) -> None:
             f"can hold {per_node} workers")
 
 
-def micro_batches(spec: JobSpec, dp_size: int) -> int:
-    """Micro-batches per optimizer step to reach ``global_batch_tokens``; refuses a
-    global batch that is not a whole number of them (field ``global_batch_tokens``)."""
-    per_micro = spec.batch_size * spec.seq_len * dp_size
+def batch_split(spec: JobSpec, dp_size: int) -> tuple[int, int]:
+    """(micro-batches per optimizer step, rows per rank per micro-batch) that make the
+    spec's global batch on ``dp_size`` data-parallel ranks: ``batch_size`` rows per
+    micro-batch, accumulated to ``global_batch_tokens``. An elastic job keeps its global
+    batch on every layout, so where ``batch_size`` does not divide a rank's share it
+    takes fewer rows per micro-batch and more micro-batches. Refuses (naming the field)
+    a global batch that cannot be split so."""
     if spec.global_batch_tokens is None:
-        return 1
-    if spec.global_batch_tokens % per_micro:
+        return 1, spec.batch_size
+    per_micro = spec.batch_size * spec.seq_len * dp_size
+    if spec.global_batch_tokens % per_micro == 0:
+        return spec.global_batch_tokens // per_micro, spec.batch_size
+    rows = spec.global_batch_tokens // spec.seq_len
+    if spec.layout.elastic is None or spec.global_batch_tokens % spec.seq_len:
         raise ValueError(f"global_batch_tokens: {spec.global_batch_tokens} is not a multiple "
                          f"of batch_size x seq_len x {dp_size} data-parallel ranks = "
                          f"{per_micro}")
-    return spec.global_batch_tokens // per_micro
+    if rows % dp_size:
+        raise ValueError(f"global_batch_tokens: {rows} sequences per step cannot be split "
+                         f"evenly over {dp_size} data-parallel ranks")
+    share = rows // dp_size
+    per_rank = max(d for d in range(1, min(share, spec.batch_size) + 1) if share % d == 0)
+    return share // per_rank, per_rank
 
 
 def fsdp2_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:

@@ -11,7 +11,8 @@ from ..cluster import NodeInfo, synthetic_inventory
 from ..models.source import ModelSource
 from ..spec import JobSpec
 from .document import Inventory, Layout, PlanDocument
-from .layout import PlacementError, choose_layout
+from .elastic import elastic_document
+from .layout import PlacementError, choose_layout, slots
 from .predict import Placement, predict
 
 
@@ -42,6 +43,8 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
     ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason."""
+    if spec.layout.elastic is not None:
+        return elastic_plan(spec, cluster, assumed_cpus, model_inputs)
     try:
         if not cluster:
             raise PlacementError("no Ray cluster attached" if cluster is None else
@@ -59,6 +62,27 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
     except ImportError as e:  # a factory importable only from the job's working_dir
         return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
     return placement_document(placement, inventory)
+
+
+def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                  model_inputs) -> PlanDocument:
+    """Every node count of the range, on nodes shaped like the cluster's smallest that
+    fits a worker (else assumed ones): an elastic job runs on what the cluster holds."""
+    usable = [n for n in cluster or [] if slots(n, spec) > 0]
+    if usable:
+        node = min(usable, key=lambda n: slots(n, spec))
+        inventory = {"source": "cluster", "nodes": len(cluster)}
+    else:
+        node = synthetic_inventory(1, 0, cpus_per_node=assumed_cpus)[0]
+        inventory = {"source": "assumed", "nodes": 1, "cpus_per_node": assumed_cpus,
+                     "reason": "no Ray cluster attached" if cluster is None else
+                     "no node of the Ray cluster fits a worker"}
+    try:
+        return elastic_document(spec, node, inventory, model_inputs)
+    except ImportError as e:  # a factory importable only from the job's working_dir
+        plan = elastic_document(spec, node, inventory, False)
+        return plan.model_copy(update={"deferred": f"the model cannot be built here "
+                                       f"({type(e).__name__}: {e}); the job plans it"})
 
 
 def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) -> None:

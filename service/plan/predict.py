@@ -21,7 +21,7 @@ from ..models.dtypes import DTYPES
 from ..models.source import BUILTIN, ModelSource
 from ..spec import JobSpec, SpecError
 from .document import RankPrediction
-from .layout import choose_layout, fsdp2_rows, micro_batches
+from .layout import batch_split, choose_layout, fsdp2_rows
 from .modes import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
 
 # Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
@@ -125,7 +125,7 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     step (DMuon's share from ``dmuon.cost``, FSDP2's from the padded shards)."""
     n_nodes, R, N = layout or choose_layout(nodes, spec)
     try:  # refused here, before any worker starts
-        micro_batches(spec, R * N)
+        batch_split(spec, R * N)
     except ValueError as e:
         raise SpecError(str(e)) from None
     bw = {**BANDWIDTH, **(bandwidth or {})}

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_validator, mo
 
 from ..models.presets import ModelConfig
 from .data import DataSpec
+from .layout import ElasticSpec, LayoutSpec, ResourcesSpec  # noqa: F401 - re-exported
 from .model import ModelRef, builtin_config, check_preset
 from .recipe import (
     CheckpointSpec,
@@ -68,23 +69,6 @@ class OptimizerSpec(_Strict):
     replicate_async: bool = True
     skip_nonfinite: bool = Field(True, description="skip a step whose gradients are not "
                                  "finite on some rank, on every rank alike")
-
-
-class LayoutSpec(_Strict):
-    """The R x N mesh: replicate across nodes, shard within a node, unless given."""
-
-    nodes: Count = "auto"
-    workers_per_node: Count = "auto"
-    replicate: int | None = Field(None, ge=1, le=1024, description="R, overriding nodes")
-    shard: int | None = Field(None, ge=1, le=1024,
-                              description="N, overriding workers_per_node")
-
-
-class ResourcesSpec(_Strict):
-    CPU: float = Field(1, ge=0, le=1 << 20)
-    GPU: float = Field(0, ge=0, le=1 << 10)
-    custom: dict[text(64, 1), Annotated[float, Field(ge=0, le=1 << 30)]] = Field(
-        default_factory=dict, max_length=16)
 
 
 class JobSpec(_Strict):
@@ -142,6 +126,21 @@ class JobSpec(_Strict):
         if self.schedule.warmup_steps > self.steps:
             raise ValueError(f"schedule.warmup_steps={self.schedule.warmup_steps} exceeds "
                              f"steps={self.steps}")
+        return self
+
+    @model_validator(mode="after")
+    def _elastic_needs_a_fixed_batch_and_checkpoints(self):
+        if self.layout.elastic is None:
+            return self
+        if self.global_batch_tokens is None:
+            raise ValueError("layout.elastic needs global_batch_tokens: the tokens per "
+                             "step stay the same on every layout")
+        if self.global_batch_tokens % self.seq_len:
+            raise ValueError(f"global_batch_tokens={self.global_batch_tokens} is not a whole "
+                             f"number of sequences of seq_len={self.seq_len}")
+        if self.checkpoint.interval == 0:
+            raise ValueError("layout.elastic needs checkpoint.interval > 0: a resized job "
+                             "resumes from its last committed checkpoint")
         return self
 
     def llama_config(self) -> ModelConfig:

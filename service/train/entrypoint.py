@@ -69,22 +69,30 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
     from ..cluster import inventory_from_ray
+    from ..plan.document import Layout
     from ..plan.layout import check_fits
-    from ..plan.make import placement_document
+    from ..plan.make import elastic_plan, placement_document
     from ..plan.predict import predict
 
     nodes = inventory_from_ray()
-    if plan is not None:
-        check_fits(plan.layout, spec, nodes)
-        if plan.complete:
-            return plan
-        lay = plan.layout
-        placement = predict(spec, nodes, model_inputs=model_inputs,
-                            layout=(lay.nodes, lay.replicate, lay.shard))
-        completed = placement_document(placement, plan.inventory.model_dump())
-        return completed.model_copy(update={"completed_by": "entrypoint"})
-    placement = predict(spec, nodes, model_inputs=model_inputs)
-    return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
+    if plan is None or (plan.elastic is not None and not plan.complete):
+        if spec.layout.elastic is not None:
+            made = elastic_plan(spec, nodes, 0, model_inputs)
+            return made if plan is None else made.model_copy(
+                update={"completed_by": "entrypoint", "inventory": plan.inventory})
+        placement = predict(spec, nodes, model_inputs=model_inputs)
+        return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
+    if plan.elastic is not None:  # Ray Train waits for the range's smallest count of nodes
+        check_fits(Layout(replicate=1, shard=plan.layout.shard, nodes=1), spec, nodes)
+        return plan
+    check_fits(plan.layout, spec, nodes)
+    if plan.complete:
+        return plan
+    lay = plan.layout
+    placement = predict(spec, nodes, model_inputs=model_inputs,
+                        layout=(lay.nodes, lay.replicate, lay.shard))
+    completed = placement_document(placement, plan.inventory.model_dump())
+    return completed.model_copy(update={"completed_by": "entrypoint"})
 
 
 def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
@@ -95,8 +103,8 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from . import layouts, tracking
     from . import loop as train
-    from . import tracking
     from .reports import MetricsCallback, send
 
     job_dir = os.path.join(storage, job_id)
@@ -115,11 +123,11 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
               "checkpoint_dir": os.path.join(job_dir, "dcp"),
               "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
               "return_params": return_params, "export_only": export_only,
-              "failure_file": failure_file}
+              "failure_file": failure_file, "job_dir": None if export_only else job_dir}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
-        scaling_config=ScalingConfig(**plan.scaling.model_dump()),
+        scaling_config=ScalingConfig(**plan.scaling.config_kwargs()),
         torch_config=TorchConfig(backend="nccl" if spec.resources_per_worker.GPU
                                  else "gloo", timeout_s=120),
         run_config=RunConfig(
@@ -133,7 +141,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     )
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
-    return result, plan.layout, _last_step(metrics.path)
+    ran = layouts.last_layout(job_dir)  # an elastic job's may differ from the plan's
+    layout = plan.layout if ran is None else plan.for_world(ran[0] * ran[1]).layout
+    return result, layout, layouts.last_step(metrics.path)
 
 
 def failure_path(storage: str, job_id: str, export_only: bool = False) -> str:
@@ -161,15 +171,6 @@ def failure_reason(error: BaseException, path: str) -> dict:
                               frames=frames)
     failure.record_first(path, reason)
     return failure.read_reason(path) or reason
-
-
-def _last_step(spool: str) -> int | None:
-    try:
-        with open(spool, "rb") as fh:
-            lines = fh.read().splitlines()
-    except OSError:
-        return None
-    return json.loads(lines[-1])["step"] if lines else None
 
 
 def _arguments(argv):

@@ -20,9 +20,9 @@ from ..models.builtin import causal_lm_loss
 from ..models.dtypes import DTYPES, muon_kwargs
 from ..models.source import BUILTIN
 from ..plan.document import PlanDocument, partition_digest
-from ..plan.layout import micro_batches
+from ..plan.layout import batch_split
 from ..spec import JobSpec, parse_spec
-from . import checkpoints, recipe
+from . import checkpoints, layouts, recipe
 from .data import Batches
 from .export import export
 from .mesh import build_mesh, device
@@ -76,21 +76,29 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
 
 
 @torch.no_grad()
-def validation_loss(model, spec: JobSpec, batches: Batches, dp_rank: int, dp_size: int) -> float:
+def validation_loss(model, spec: JobSpec, batches: Batches, dp: tuple[int, int],
+                    split: tuple[int, int]) -> float:
+    """The mean loss of ``val_batches`` batches shaped as a training step's (``split``:
+    micro-batches, rows per rank), so every layout scores the same rows."""
     total = torch.zeros(1, dtype=torch.float64)
+    micros, per_rank = split
     for i in range(spec.data.val_batches):
-        rows = batches.rows(i, spec.batch_size, dp_rank, dp_size).to(device())
-        total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double().cpu()
+        for m in range(micros):
+            rows = batches.rows(i, per_rank, dp[0], dp[1], m, micros).to(device())
+            total += causal_lm_loss(logits_of(model, rows[:, :-1]),
+                                    rows[:, 1:]).double().cpu()
     dist.all_reduce(total)
-    return total.item() / (dp_size * spec.data.val_batches)
+    return total.item() / (dp[1] * micros * spec.data.val_batches)
 
 
 def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: tuple[int, int],
-               micros: int) -> tuple[float, float | None]:
-    """One optimizer step over ``micros`` micro-batches; returns (loss, grad norm)."""
+               split: tuple[int, int]) -> tuple[float, float | None]:
+    """One optimizer step over ``split[0]`` micro-batches of ``split[1]`` rows per rank;
+    returns (loss, grad norm)."""
     loss = torch.zeros((), dtype=torch.float64, device=device())
+    micros, per_rank = split
     for i in range(micros):
-        rows = batches.rows(step, spec.batch_size, dp[0], dp[1], i, micros).to(device())
+        rows = batches.rows(step, per_rank, dp[0], dp[1], i, micros).to(device())
         skip_sync = i < micros - 1
         with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
             micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
@@ -138,11 +146,11 @@ def _layout(mesh: DeviceMesh) -> tuple[int, int, int, int]:
     return r, s, r * mesh["shard"].size() + s, dist.get_world_size()
 
 
-def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
+def _throughput(model, spec: JobSpec, split, dp_size: int, batch: tuple[int, int]):
     blocks = len(split.fsdp_units)
     hidden = next((m.embedding_dim for m in model.modules()
                    if isinstance(m, torch.nn.Embedding)), 0)
-    per_rank = micros * spec.batch_size * spec.seq_len
+    per_rank = batch[0] * batch[1] * spec.seq_len
     return (per_rank, per_rank * dp_size, flops_per_token(model, blocks, hidden, spec.seq_len),
             peak_flops(spec.metrics.peak_tflops, device()))
 
@@ -150,10 +158,12 @@ def _throughput(model, spec: JobSpec, split, dp_size: int, micros: int):
 def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
                  inputs: dict | None = None, modes: dict | None = None, export_dir=None,
                  export_only=False, node_ids=None, node_ip=None,
-                 progress: dict | None = None, plan: PlanDocument | None = None):
+                 progress: dict | None = None, plan: PlanDocument | None = None,
+                 job_dir: str | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
-    ``progress`` (if given) always holds the phase and the 1-based step in progress."""
+    ``progress`` (if given) always holds the phase and the 1-based step in progress.
+    With ``job_dir``, rank 0 logs this start's layout event there and reports it."""
     inputs = inputs or BUILTIN_INPUTS
     progress = progress if progress is not None else {}
     progress.update(phase="setup", step=None)
@@ -161,14 +171,16 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
     r, s, dp_rank, dp_size = _layout(mesh)
-    micros = micro_batches(spec, dp_size)
+    batch = batch_split(spec, dp_size)
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
-    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, dp_size, micros)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, dp_size, batch)
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
+    layout = [mesh["replicate"].size(), mesh["shard"].size()]
+    event = layouts.start_event(job_dir, layout, start) if job_dir and rank == 0 else None
     if export_only:
         progress.update(phase="export")
         if start == 0:
@@ -179,16 +191,18 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         progress.update(phase="step", step=step + 1)  # numbered as the records are
         t0 = time.perf_counter()
         lrs = recipe.apply_lr(opt, base_lrs, recipe.lr_factor(spec, step))
-        loss, norm = train_step(model, opt, spec, train, step, (dp_rank, dp_size), micros)
+        loss, norm = train_step(model, opt, spec, train, step, (dp_rank, dp_size), batch)
         record = step_record(model, opt, step=step + 1, loss=loss,
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
-        record.update(coord=[r, s], resumed_from=start, partition_digest=digest,
+        record.update(coord=[r, s], layout=layout, resumed_from=start,
+                      partition_digest=digest, layout_event=event,
                       node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
+        event = None
         nonfinite.after_step(opt, record, step + 1)
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
-            record["val_loss"] = validation_loss(model, spec, val, dp_rank, dp_size)
+            record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
         path = None
         if checkpoint_dir and checkpoints.due(spec, step + 1):
             path = nonfinite.last_good = checkpoints.save(spec, checkpoint_dir, step + 1,
@@ -230,7 +244,9 @@ def _worker(config: dict, progress: dict) -> None:
     import ray.util
 
     spec = parse_spec(config["spec"])
-    plan = PlanDocument.model_validate(config["plan"])
+    # an elastic job's layout is the one planned for the workers Ray Train started
+    plan = PlanDocument.model_validate(config["plan"]).for_world(
+        ray.train.get_context().get_world_size())
     torch.set_num_threads(int(config.get("threads", 1)))
     mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard)
     rank = dist.get_rank()
@@ -243,7 +259,7 @@ def _worker(config: dict, progress: dict) -> None:
                          export_dir=config.get("export_dir"),
                          export_only=config.get("export_only", False), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),
-                         progress=progress)
+                         progress=progress, job_dir=config.get("job_dir"))
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:

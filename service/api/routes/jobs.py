@@ -142,7 +142,18 @@ def partition(job_id: JobId, request: Request):
     planned = _job_or_404(request.app.state.store, job_id, with_plan=True)["plan"]
     shown = ("inventory", "modes", "param_groups", "deferred", "completed_by")
     return JSONResponse({"layout": planned["layout"], **{k: planned.get(k) for k in shown},
-                         "ranks": planned["ranks"], **(planned.get("partition") or {})})
+                         "ranks": planned["ranks"], **(planned.get("partition") or {}),
+                         "elastic": _elastic_table(planned.get("elastic"))})
+
+
+def _elastic_table(entries: list[dict] | None) -> list[dict] | None:
+    """An elastic plan's node counts as the dashboard shows them: each one's layout, batch
+    split, mode and per-rank memory (the partitions stay in the stored plan)."""
+    if entries is None:
+        return None
+    kept = ("layout", "micro_batches", "rows_per_micro", "modes", "refused")
+    return [{**{k: e.get(k) for k in kept}, "memory": [r["memory"] for r in e["ranks"]]}
+            for e in entries]
 
 
 @job_posts.put("/v1/jobs/{job_id}/plan", max_body_size=PLAN_BYTES)

@@ -117,11 +117,29 @@ function showFacts(job) {
     imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
     "last step": job.steps?.size || 0,
     "skipped (non-finite)": skippedSteps(job),
+    ...layoutFacts(job),
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
   document.getElementById("job-title").dataset.dryRun = job.dry_run ? "true" : "false";
   showReason(job);
+}
+
+// An elastic job's range, and every start of a job's worker group: the layout it ran
+// from which step, and for a resize or restart why and how many steps it lost.
+function layoutFacts(job) {
+  const facts = {};
+  const range = (job.partition.elastic || []).filter((e) => !e.refused);
+  if (range.length) facts["elastic layouts"] = range.map((e) => `${e.layout.replicate} x ${e.layout.shard}`).join(", ");
+  const starts = job.layouts || [];
+  if (starts.length) {
+    const last = starts[starts.length - 1];
+    facts.running = `${last.layout[0]} x ${last.layout[1]}`;
+    facts["layout history"] = starts.map((e) => `${e.layout[0]} x ${e.layout[1]} from step `
+      + `${e.resumed_from + 1}` + (e.previous ? ` (${e.reason}; ${e.steps_lost} steps lost)` : ""))
+      .join("; ");
+  }
+  return facts;
 }
 
 function skippedSteps(job) {
@@ -239,6 +257,9 @@ function onMetrics(rec) {
   const recs = job.steps.get(rec.step);
   if (!recs.some((r) => r.rank === rec.rank)) recs.push(rec);
   if ((job.latest.get(rec.rank)?.step ?? -1) <= rec.step) job.latest.set(rec.rank, rec);
+  if (rec.layout_event && !(job.layouts || []).some((e) => e.step === rec.step)) {
+    job.layouts = [...(job.layouts || []), { step: rec.step, ...rec.layout_event }];
+  }
   job.dirty = true;
 }
 

@@ -1,0 +1,77 @@
+"""The plan of an elastic job (``layout.elastic``): for every node count of its range the
+layout it runs (one replica per node, shard within it, as a fixed job's), how its ranks
+split the fixed global batch, the per-rank predictions and the partition, or why that
+count cannot run (a batch that does not split, a rank over its memory). Ray Train gets
+the runnable range; the largest runnable count is the plan's own layout."""
+
+from __future__ import annotations
+
+from ..cluster import NodeInfo
+from ..models.source import ModelSource
+from ..spec import JobSpec, SpecError
+from .document import ElasticLayout, Inventory, Layout, PlanDocument
+from .layout import PlacementError, batch_split, slots
+from .modes import GB, HEADROOM
+from .predict import Placement, predict
+
+
+def workers_per_node(spec: JobSpec, node: NodeInfo) -> int:
+    """N of every layout in the range: the spec's ``workers_per_node``, else what the
+    node shape holds."""
+    fit = slots(node, spec)
+    if fit == 0:
+        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}")
+    wanted = spec.layout.workers_per_node
+    if wanted != "auto" and wanted > fit:
+        raise PlacementError(f"layout.workers_per_node={wanted} but a node fits only {fit} "
+                             f"workers of {spec.resources_per_worker.model_dump()}")
+    return fit if wanted == "auto" else wanted
+
+
+def _size(n: float) -> str:
+    return f"{n / GB:.1f} GB" if n >= GB / 10 else f"{n / 1e6:.2f} MB"
+
+
+def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int,
+           model_inputs: ModelSource | None | bool) -> tuple[ElasticLayout, dict | None]:
+    """(node count ``n``'s entry, the Muon/AdamW split it predicted with)."""
+    layout = Layout(replicate=n, shard=per_node, nodes=n)
+    try:
+        micros, rows = batch_split(spec, n * per_node)
+    except ValueError as e:
+        return ElasticLayout(layout=layout, refused=str(e)), None
+    if model_inputs is False:  # deferred: the job's entrypoint predicts it
+        return ElasticLayout(layout=layout, micro_batches=micros, rows_per_micro=rows), None
+    placement = predict(spec, [node] * n, model_inputs=model_inputs, layout=(n, n, per_node))
+    modes, refused = placement.modes, None
+    if not modes.fits:
+        held = modes.z3_bytes if modes.dmuon == "z3" else modes.z2_bytes
+        refused = (f"a rank would hold {_size(held)} in {modes.dmuon.upper()}, over the "
+                   f"{_size(HEADROOM * modes.device_bytes)} usable of its "
+                   f"{_size(modes.device_bytes)}")
+    return ElasticLayout(layout=layout, micro_batches=micros, rows_per_micro=rows,
+                         modes=modes.to_dict(), ranks=placement.ranks, refused=refused,
+                         partition=placement.plan.to_dict()), placement.split
+
+
+def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
+                     model_inputs: ModelSource | None | bool = None) -> PlanDocument:
+    """The plan of every node count in ``spec.layout.elastic`` on nodes shaped like
+    ``node`` (``model_inputs=False``: layouts and batch splits alone, for a model only
+    the job can build). Refuses a range with no runnable count, naming each one's reason."""
+    rng = spec.layout.elastic
+    per_node = workers_per_node(spec, node)
+    made = [_entry(spec, node, n, per_node, model_inputs)
+            for n in range(rng.min_nodes, rng.max_nodes + 1)]
+    runnable = [(e, split) for e, split in made if e.refused is None]
+    if not runnable:
+        raise SpecError("layout.elastic: no node count in the range can run: " + "; ".join(
+            f"{e.layout.nodes} node(s): {e.refused}" for e, _ in made))
+    top, split = runnable[-1]
+    scaling = Placement(spec, top.layout.nodes, top.layout.replicate, top.layout.shard,
+                        None, []).scaling_config_kwargs()
+    scaling.update(min_workers=runnable[0][0].layout.world_size,
+                   elastic_resize_monitor_interval_s=rng.resize_check_s)
+    return PlanDocument(layout=top.layout, inventory=Inventory(**inventory), scaling=scaling,
+                        modes=top.modes, param_groups=split, ranks=top.ranks,
+                        partition=top.partition, elastic=[e for e, _ in made])

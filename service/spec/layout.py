@@ -1,0 +1,60 @@
+"""Where a job runs: the R x N layout (or an elastic node range) and what each worker
+reserves on its node. Torch-free, like every spec section."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from pydantic import Field, model_validator
+
+from .types import Count, StrictModel, text
+
+_Strict = StrictModel
+
+
+class ElasticSpec(_Strict):
+    """A node range instead of a node count: the job starts on as many nodes of the range
+    as the cluster holds, goes on with fewer when a node is lost (from its last committed
+    checkpoint, on the planner's layout for what remains) and grows back when capacity
+    returns. Each node count runs ``nodes`` x ``workers_per_node`` (replicate x shard)."""
+
+    min_nodes: int = Field(1, ge=1, le=1024)
+    max_nodes: int = Field(ge=1, le=1024)
+    resize_check_s: float = Field(
+        60.0, ge=0, le=86400, description="while healthy, how often Ray Train looks for "
+        "returned capacity (ScalingConfig.elastic_resize_monitor_interval_s)")
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes={self.min_nodes} exceeds max_nodes={self.max_nodes}")
+        return self
+
+
+class LayoutSpec(_Strict):
+    """The R x N mesh: replicate across nodes, shard within a node, unless given."""
+
+    nodes: Count = "auto"
+    workers_per_node: Count = "auto"
+    replicate: int | None = Field(None, ge=1, le=1024, description="R, overriding nodes")
+    shard: int | None = Field(None, ge=1, le=1024,
+                              description="N, overriding workers_per_node")
+    elastic: ElasticSpec | None = Field(None, description="a node range (see ElasticSpec)")
+
+    @model_validator(mode="after")
+    def _elastic_sets_the_nodes(self):
+        if self.elastic is not None:
+            given = [k for k in ("nodes", "replicate", "shard")
+                     if getattr(self, k) not in (None, "auto")]
+            if given:
+                raise ValueError(f"layout.{given[0]} cannot be set with layout.elastic: "
+                                 "R is the nodes running (one replica per node), N is "
+                                 "workers_per_node")
+        return self
+
+
+class ResourcesSpec(_Strict):
+    CPU: float = Field(1, ge=0, le=1 << 20)
+    GPU: float = Field(0, ge=0, le=1 << 10)
+    custom: dict[text(64, 1), Annotated[float, Field(ge=0, le=1 << 30)]] = Field(
+        default_factory=dict, max_length=16)

@@ -1,0 +1,146 @@
+"""An elastic job's training through a resize and back (``layout.elastic``), the CPU
+shadow of a Ray Train worker group that loses a host and regains it: the loop a Ray
+worker runs, on gloo ranks without Ray, each start on the layout its plan gives its
+world size. Float64, the built-in tiny model, 12 sequences per step.
+
+The elastic job runs 3 x 2, loses a host after step 5 (its last checkpoint: step 4),
+goes on at 2 x 2 from step 4 (3 micro-batches of 1 row per rank instead of 1 of 2),
+loses again after step 7 and grows back to 3 x 2 from step 6. Its final parameters are
+within 1e-9 (relative, per tensor: the bound of tests/core/test_checkpoint.py's resharded
+loads) of a run never interrupted (the layouts change only the order of the sums), and
+``torch.equal`` to a run stopped at the same checkpoints and resumed by hand
+(``checkpoint.resume_from``) on the same layouts. Each start is a layout event with its
+reason, the layouts before and after and the steps lost."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from dmuon.testing import run
+from service.spec import parse_spec
+
+SPEC = {"model": "tiny", "steps": 10, "batch_size": 2, "seq_len": 32, "seed": 3,
+        "precision": "float64", "global_batch_tokens": 12 * 32,
+        "data": {"val_every": 0}, "export": {"enabled": False},
+        "checkpoint": {"interval": 2, "keep_last": 0},
+        "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1},
+        "layout": {"elastic": {"min_nodes": 2, "max_nodes": 3}, "workers_per_node": 2}}
+
+
+class HostLost(Exception):
+    """Every rank's worker stops here at once, as Ray Train stops a group that lost one."""
+
+
+def _job(rank, world, storage, job_id, stop_after=None, resume_from=None):
+    """(records, full params on rank 0 or None when stopped) of one start of a job."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from service.cluster import synthetic_inventory
+    from service.inputs import resolve_inputs
+    from service.plan.make import plan_document
+    from service.train.loop import run_training
+
+    data = {**SPEC, "checkpoint": {**SPEC["checkpoint"], "resume_from": resume_from}}
+    spec = parse_spec(data)
+    plan = plan_document(spec, synthetic_inventory(3, 0, 2), 4).for_world(world)
+    mesh = init_device_mesh("cpu", (plan.layout.replicate, plan.layout.shard),
+                            mesh_dim_names=("replicate", "shard"))
+    job_dir = os.path.join(storage, job_id)
+    records = []
+
+    def report(record, path):  # the controller's spool (service.train.reports), rank 0's
+        records.append(record)
+        if rank == 0:
+            with open(os.path.join(job_dir, "metrics.jsonl"), "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if record["step"] == stop_after:
+            raise HostLost
+
+    os.makedirs(job_dir, exist_ok=True)
+    try:
+        model = run_training(spec, mesh, report=report, plan=plan, job_dir=job_dir,
+                             checkpoint_dir=os.path.join(job_dir, "dcp"),
+                             inputs=resolve_inputs(spec, storage, storage))
+    except HostLost:
+        return records, None
+    params = dmuon.full_state_dict(model)  # a collective: every rank gathers
+    return records, params if dist.get_rank() == 0 else None
+
+
+def _six(rank, world, storage):
+    return {"uninterrupted": _job(rank, world, storage, "uninterrupted"),
+            "elastic": _job(rank, world, storage, "elastic", stop_after=5),
+            "hand": _job(rank, world, storage, "hand-a", stop_after=4)}
+
+
+def _four(rank, world, storage):
+    return {"elastic": _job(rank, world, storage, "elastic", stop_after=7),
+            "hand": _job(rank, world, storage, "hand-b", stop_after=6, resume_from="hand-a")}
+
+
+def _six_again(rank, world, storage):
+    return {"elastic": _job(rank, world, storage, "elastic"),
+            "hand": _job(rank, world, storage, "hand-c", resume_from="hand-b")}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    storage = str(tmp_path_factory.mktemp("elastic"))
+    return ([run(_six, storage, world_size=6), run(_four, storage, world_size=4),
+             run(_six_again, storage, world_size=6)], storage)
+
+
+def _mean_loss(ranks: list[dict], job: str) -> dict[int, float]:
+    """Step -> the mean of every rank's loss: each rank's is the mean over its own rows,
+    and every rank has as many rows, so this is the global batch's mean loss."""
+    losses: dict[int, list[float]] = {}
+    for out in ranks:
+        for r in out[job][0]:
+            losses.setdefault(r["step"], []).append(r["loss"])
+    assert all(len(v) == len(ranks) for v in losses.values())
+    return {step: sum(v) / len(v) for step, v in losses.items()}
+
+
+def test_a_resized_run_ends_where_an_uninterrupted_one_does(runs):
+    (six, four, again), _ = runs
+    steps = [[(r["step"], r["resumed_from"], tuple(r["layout"])) for r in out["elastic"][0]]
+             for out in (six[0], four[0], again[0])]
+    assert steps == [[(s, 0, (3, 2)) for s in range(1, 6)],
+                     [(s, 4, (2, 2)) for s in range(5, 8)],
+                     [(s, 6, (3, 2)) for s in range(7, 11)]]
+    want = _mean_loss(six, "uninterrupted")
+    for segment in (six, four, again):  # each step's loss over all ranks, on any layout
+        for step, loss in _mean_loss(segment, "elastic").items():
+            assert abs(loss - want[step]) <= 1e-9 * abs(want[step]), step
+    final, reference = again[0]["elastic"][1], six[0]["uninterrupted"][1]
+    assert set(final) == set(reference)
+    for key, value in reference.items():
+        err = ((final[key] - value).abs().max() / value.abs().max()).item()
+        assert err <= 1e-9, (key, err)
+    by_hand = again[0]["hand"][1]
+    for key, value in by_hand.items():
+        assert torch.equal(final[key], value), key
+
+
+def test_each_start_is_a_layout_event_with_its_reason_and_the_steps_lost(runs):
+    (six, four, again), storage = runs
+    events = [out[0]["elastic"][0][0]["layout_event"] for out in (six, four, again)]
+    assert events == [
+        {"reason": "start", "previous": None, "layout": [3, 2], "resumed_from": 0,
+         "steps_lost": 0},
+        {"reason": "capacity lost: 6 -> 4 workers (a node or worker failed)",
+         "previous": [3, 2], "layout": [2, 2], "resumed_from": 4, "steps_lost": 1},
+        {"reason": "capacity returned: 4 -> 6 workers", "previous": [2, 2],
+         "layout": [3, 2], "resumed_from": 6, "steps_lost": 1}]
+    for out in (six, four, again):  # rank 0's first record only; no other carries one
+        assert all(r["layout_event"] is None for r in out[0]["elastic"][0][1:])
+        assert all(r["layout_event"] is None for rank in out[1:] for r in rank["elastic"][0])
+    with open(os.path.join(storage, "elastic", "layouts.jsonl")) as fh:
+        logged = [json.loads(line) for line in fh]
+    assert [{k: v for k, v in e.items() if k != "time"} for e in logged] == events
