@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-modes bench-compile lint clean
+	bench-modes bench-compile bench-elastic-plan lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -73,6 +73,10 @@ bench-modes: $(STAMP)
 # step time with and without torch.compile per block (a dated record in bench/results/)
 bench-compile: $(STAMP)
 	$(PY) -m bench.compile
+
+# the elastic planner's table for Llama-3 8B / 70B on 1 to 8 hosts of 8 x 80 GB (seconds)
+bench-elastic-plan: $(STAMP)
+	$(PY) -m bench.elastic_plan
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench

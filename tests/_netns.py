@@ -1,5 +1,6 @@
-"""Two hosts on one machine: network namespaces joined by a private bridge, a Ray head in
-one and a Ray worker node in the other, and the faults the multi-node tests inject.
+"""Hosts on one machine (two by default): network namespaces joined by a private bridge,
+a Ray head in host a and Ray worker nodes in the others, and the faults the multi-node
+tests inject.
 
 Everything this makes is named after this process (namespaces) or lives in temp dirs of
 its own (processes), and ``close()`` removes exactly that: processes by the process
@@ -41,11 +42,12 @@ def _sh(*args: str) -> None:
     subprocess.run(args, check=True, capture_output=True, text=True, timeout=30)
 
 
-class TwoHosts:
-    def __init__(self):
+class Hosts:
+    def __init__(self, names: tuple[str, ...] = ("a", "b")):
         tag = f"{os.getpid() % 100000}"
-        self.ns = {"a": f"dma{tag}", "b": f"dmb{tag}", "bridge": f"dmbr{tag}"}
-        self.ip = {"a": f"{SUBNET}.11", "b": f"{SUBNET}.12"}
+        self.names = names
+        self.ns = {**{h: f"dm{h}{tag}" for h in names}, "bridge": f"dmbr{tag}"}
+        self.ip = {h: f"{SUBNET}.{11 + i}" for i, h in enumerate(names)}
         self.root = tempfile.mkdtemp(prefix="dmuon-hosts-")
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []
@@ -64,7 +66,7 @@ class TwoHosts:
         br = self.ns["bridge"]
         _sh("ip", "-n", br, "link", "add", "br0", "type", "bridge")
         _sh("ip", "-n", br, "link", "set", "br0", "up")
-        for host in ("a", "b"):
+        for host in self.names:
             ns, peer = self.ns[host], f"v{host}"
             _sh("ip", "link", "add", IFACE, "netns", ns, "type", "veth",
                 "peer", "name", peer, "netns", br)
@@ -129,9 +131,9 @@ class TwoHosts:
     def start_head(self, num_cpus: int = 2) -> str:
         return self._ray_node("a", True, num_cpus)
 
-    def add_worker_node(self, num_cpus: int = 2) -> str:
-        """Start (or re-add) host b's Ray node; returns its temp dir."""
-        return self._ray_node("b", False, num_cpus)
+    def add_worker_node(self, num_cpus: int = 2, host: str = "b") -> str:
+        """Start (or re-add) a host's Ray worker node; returns its temp dir."""
+        return self._ray_node(host, False, num_cpus)
 
     def pids_of(self, marker: str, name: str = "") -> list[int]:
         return pids_with(marker, name)

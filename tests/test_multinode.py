@@ -1,8 +1,10 @@
-"""Two hosts in network namespaces: HSDP across hosts, node loss and link faults.
+"""Hosts in network namespaces: HSDP across hosts, node loss and link faults, and an
+elastic job that loses a host and grows back when it returns.
 
-Host a (10.200.0.11) runs the Ray head and the entrypoint; host b (10.200.0.12) a worker
-node. Each node has 2 CPUs, below the job's 4 workers, so a restarted worker group must
-wait for host b to come back.
+Host a (10.200.0.11) runs the Ray head and the entrypoint; host b (10.200.0.12), and for
+the elastic job host c (10.200.0.13), a worker node each. Each node has 2 CPUs: a fixed
+job's 4 workers need hosts a and b, so a restarted worker group must wait for host b to
+come back; the elastic job's range is 2 to 3 nodes.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ import time
 
 import pytest
 import torch
-from _netns import RAY_PORT, TwoHosts, namespaces_available
+from _elastic import SPEC as ELASTIC
+from _elastic import close, gloo_runs
+from _netns import RAY_PORT, Hosts, namespaces_available
 
 from dmuon.testing import run
 
@@ -46,7 +50,7 @@ def loopback_params():
 
 @pytest.fixture
 def hosts():
-    hosts = TwoHosts()
+    hosts = Hosts()
     try:
         hosts.head_dir = hosts.start_head()
         hosts.b_dir = hosts.add_worker_node()
@@ -56,13 +60,13 @@ def hosts():
         assert hosts.leftovers() == []
 
 
-def _submit(hosts: TwoHosts, job_id: str, hold_before: tuple[int, ...] = ()):
+def _submit(hosts: Hosts, job_id: str, hold_before: tuple[int, ...] = (), spec_data=SPEC):
     """Start the job; every rank waits before each step in ``hold_before`` until the test
     calls ``_release``, so that a fault lands at an exact step (the metrics the test
     watches lag the workers by up to a few steps)."""
     spec = os.path.join(hosts.root, f"{job_id}.json")
     with open(spec, "w") as fh:
-        json.dump(SPEC, fh)
+        json.dump(spec_data, fh)
     storage = os.path.join(hosts.root, "runs")
     params = os.path.join(hosts.root, f"{job_id}.pt")
     holds = os.path.join(hosts.root, f"{job_id}-holds")
@@ -77,7 +81,7 @@ def _submit(hosts: TwoHosts, job_id: str, hold_before: tuple[int, ...] = ()):
     return proc, os.path.join(storage, job_id, "metrics.jsonl"), params
 
 
-def _release(hosts: TwoHosts, job_id: str, step: int) -> None:
+def _release(hosts: Hosts, job_id: str, step: int) -> None:
     os.remove(os.path.join(hosts.root, f"{job_id}-holds", f"step_{step}"))
 
 
@@ -88,14 +92,17 @@ def _records(path):
         return [json.loads(line) for line in fh if line.endswith("\n")]
 
 
-def _wait_for_step(path, step, proc, timeout=180):
+def _wait_for_step(path, step, proc, timeout=180, **fields):
+    """The first record of ``step`` or later (with ``fields``, one that has them)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if any(r["step"] >= step for r in _records(path)):
-            return
+        found = [r for r in _records(path) if r["step"] >= step
+                 and all(r.get(k) == v for k, v in fields.items())]
+        if found:
+            return found[0]
         assert proc.poll() is None, "job ended early"
         time.sleep(0.2)
-    raise TimeoutError(f"step {step} not reached")
+    raise TimeoutError(f"step {step} {fields or ''} not reached")
 
 
 def _finish(hosts, proc, job_id, timeout=300):
@@ -174,3 +181,62 @@ def test_long_link_outage_declares_node_dead_and_resumes(hosts):
         min(r["time"] for r in resumed) - down_at, 1)
     _assert_equal_to_loopback(params)
     print(json.dumps({"recovery": TIMELINE}))
+
+
+@pytest.fixture
+def three_hosts():
+    hosts = Hosts(("a", "b", "c"))
+    try:
+        hosts.head_dir = hosts.start_head()
+        hosts.b_dir = hosts.add_worker_node(host="b")
+        hosts.c_dir = hosts.add_worker_node(host="c")
+        yield hosts
+    finally:
+        hosts.close()
+        assert hosts.leftovers() == []
+
+
+def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
+    """3 x 2; host c's raylet is killed while every rank waits before step 6 (checkpoint
+    4 committed); the job goes on at 2 x 2 from step 4 without host c (and waits again
+    before step 6 until the test sees it there); host c is started
+    again while the ranks wait before step 8 (checkpoint 6), and Ray Train's resize check
+    (every 2 s here) grows the job back to 3 x 2 from step 6. Right after the death Ray
+    Train still counts host c and asks for 6 workers first: ``start_timeout_s`` (15 s
+    here, Ray's default 60) bounds that wait. The parameters equal the
+    gloo run on those layouts from those checkpoints (tests/_elastic.py) exactly, and an
+    uninterrupted 3 x 2 run within 1e-9."""
+    hosts = three_hosts
+    spec = {**ELASTIC, "name": "elastic", "max_failures": 3,
+            "layout": {**ELASTIC["layout"], "elastic": {**ELASTIC["layout"]["elastic"],
+                                                        "resize_check_s": 2.0,
+                                                        "start_timeout_s": 15.0}}}
+    proc, metrics, params = _submit(hosts, "elastic", hold_before=(6, 8), spec_data=spec)
+    _wait_for_step(metrics, 5, proc)
+    assert {r["rank"] for r in _records(metrics) if r["step"] == 5} == set(range(6))
+    killed_at = time.time()
+    hosts.kill_raylet(hosts.c_dir)
+    hosts.kill_node(hosts.c_dir)
+    first = _wait_for_step(metrics, 5, proc, layout=[2, 2])  # the new group, before step 6
+    TIMELINE["host_death_to_first_step_on_2x2_s"] = round(first["time"] - killed_at, 1)
+    _release(hosts, "elastic", 6)
+    _wait_for_step(metrics, 7, proc, layout=[2, 2])
+    hosts.add_worker_node(host="c")
+    _wait_for_step(metrics, 7, proc, layout=[3, 2], resumed_from=6)
+    _release(hosts, "elastic", 8)
+    _finish(hosts, proc, "elastic")
+    records = _records(metrics)
+    runs = [(r["step"], r["resumed_from"], tuple(r["layout"])) for r in records
+            if r["rank"] == 0]
+    assert runs == ([(s, 0, (3, 2)) for s in range(1, 6)] + [(s, 4, (2, 2)) for s in
+                    range(5, 8)] + [(s, 6, (3, 2)) for s in range(7, 11)])
+    events = [r["layout_event"] for r in records if r["layout_event"]]
+    (six, four, again), _ = gloo_runs()
+    assert events == [out[0]["elastic"][0][0]["layout_event"] for out in (six, four, again)]
+    # every step's global batch ran once on the final line of starts: none skipped
+    assert sorted({r["step"] for r in records}) == list(range(1, 11))
+    final = torch.load(params)
+    for key, value in again[0]["hand"][1].items():
+        assert torch.equal(final[key], value), key
+    close(final, six[0]["uninterrupted"][1])
+    print(json.dumps({"elastic": TIMELINE}))

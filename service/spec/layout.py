@@ -23,6 +23,10 @@ class ElasticSpec(_Strict):
     resize_check_s: float = Field(
         60.0, ge=0, le=86400, description="while healthy, how often Ray Train looks for "
         "returned capacity (ScalingConfig.elastic_resize_monitor_interval_s)")
+    start_timeout_s: float = Field(
+        60.0, gt=0, le=86400, description="how long a worker group waits for the workers "
+        "it asked for before it asks for what the cluster holds; right after a node dies "
+        "Ray Train may still count it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)")
 
     @model_validator(mode="after")
     def _ordered(self):

@@ -125,6 +125,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
               "return_params": return_params, "export_only": export_only,
               "failure_file": failure_file, "job_dir": None if export_only else job_dir}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
+    if spec.layout.elastic is not None:  # Ray Train hands it to its controller
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
+            spec.layout.elastic.start_timeout_s)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
         scaling_config=ScalingConfig(**plan.scaling.config_kwargs()),

@@ -136,7 +136,7 @@ function layoutFacts(job) {
     const last = starts[starts.length - 1];
     facts.running = `${last.layout[0]} x ${last.layout[1]}`;
     facts["layout history"] = starts.map((e) => `${e.layout[0]} x ${e.layout[1]} from step `
-      + `${e.resumed_from + 1}` + (e.previous ? ` (${e.reason}; ${e.steps_lost} steps lost)` : ""))
+      + `${e.resumed_from + 1}` + (e.previous ? ` (${e.reason}; ${e.steps_lost} step${e.steps_lost === 1 ? "" : "s"} lost)` : ""))
       .join("; ");
   }
   return facts;

@@ -1,0 +1,99 @@
+"""The elastic job the elastic tests share, and its gloo runs without Ray (the references
+of the multi-host run): float64, the built-in tiny model, 12 sequences per step, nodes of
+two ranks. The elastic run loses a host after step 5 (its last checkpoint: step 4), goes
+on at 2 x 2 from step 4, loses again after step 7 and grows back to 3 x 2 from step 6;
+"by hand" stops at those checkpoints and resumes from them (``checkpoint.resume_from``)
+on the same layouts; "uninterrupted" runs 3 x 2 throughout."""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import shutil
+import tempfile
+
+from dmuon.testing import run
+from service.spec import parse_spec
+
+SPEC = {"model": "tiny", "steps": 10, "batch_size": 2, "seq_len": 32, "seed": 3,
+        "precision": "float64", "global_batch_tokens": 12 * 32,
+        "data": {"val_every": 0}, "export": {"enabled": False},
+        "checkpoint": {"interval": 2, "keep_last": 0},
+        "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1},
+        "layout": {"elastic": {"min_nodes": 2, "max_nodes": 3}, "workers_per_node": 2}}
+
+
+class HostLost(Exception):
+    """Every rank's worker stops here at once, as Ray Train stops a group that lost one."""
+
+
+def _job(rank, world, storage, job_id, stop_after=None, resume_from=None):
+    """(records, full params on rank 0 or None when stopped) of one start of a job."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from service.cluster import synthetic_inventory
+    from service.inputs import resolve_inputs
+    from service.plan.make import plan_document
+    from service.train.loop import run_training
+
+    spec = parse_spec({**SPEC, "checkpoint": {**SPEC["checkpoint"], "resume_from": resume_from}})
+    plan = plan_document(spec, synthetic_inventory(3, 0, 2), 4).for_world(world)
+    mesh = init_device_mesh("cpu", (plan.layout.replicate, plan.layout.shard),
+                            mesh_dim_names=("replicate", "shard"))
+    job_dir = os.path.join(storage, job_id)
+    records = []
+
+    def report(record, path):  # the controller's spool (service.train.reports), rank 0's
+        records.append(record)
+        if rank == 0:
+            with open(os.path.join(job_dir, "metrics.jsonl"), "a") as fh:
+                fh.write(json.dumps(record) + "\n")
+        if record["step"] == stop_after:
+            raise HostLost
+
+    os.makedirs(job_dir, exist_ok=True)
+    try:
+        model = run_training(spec, mesh, report=report, plan=plan, job_dir=job_dir,
+                             checkpoint_dir=os.path.join(job_dir, "dcp"),
+                             inputs=resolve_inputs(spec, storage, storage))
+    except HostLost:
+        return records, None
+    params = dmuon.full_state_dict(model)  # a collective: every rank gathers
+    return records, params if dist.get_rank() == 0 else None
+
+
+def _six(rank, world, storage):
+    return {"uninterrupted": _job(rank, world, storage, "uninterrupted"),
+            "elastic": _job(rank, world, storage, "elastic", stop_after=5),
+            "hand": _job(rank, world, storage, "hand-a", stop_after=4)}
+
+
+def _four(rank, world, storage):
+    return {"elastic": _job(rank, world, storage, "elastic", stop_after=7),
+            "hand": _job(rank, world, storage, "hand-b", stop_after=6, resume_from="hand-a")}
+
+
+def _six_again(rank, world, storage):
+    return {"elastic": _job(rank, world, storage, "elastic"),
+            "hand": _job(rank, world, storage, "hand-c", resume_from="hand-b")}
+
+
+@functools.cache
+def gloo_runs() -> tuple[list, str]:
+    """([per-rank results of 3 x 2, 2 x 2, 3 x 2 again], their storage): once a session."""
+    storage = tempfile.mkdtemp(prefix="dmuon-elastic-")
+    atexit.register(shutil.rmtree, storage, ignore_errors=True)
+    return ([run(_six, storage, world_size=6), run(_four, storage, world_size=4),
+             run(_six_again, storage, world_size=6)], storage)
+
+
+def close(got: dict, want: dict, bound: float = 1e-9) -> None:
+    """Every tensor within ``bound`` of the reference, relative to its largest entry."""
+    assert set(got) == set(want)
+    for key, value in want.items():
+        err = ((got[key] - value).abs().max() / value.abs().max()).item()
+        assert err <= bound, (key, err)
