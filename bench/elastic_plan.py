@@ -1,7 +1,7 @@
 """The planner's table for an elastic job (``layout.elastic``): Llama-3 8B and 70B on 1 to
 8 hosts of 8 GPUs of 80 GB, the layout each host count runs (one replica per host,
-sharded over its 8 GPUs), how its ranks split a fixed global batch of 960 sequences of
-8192 tokens, the mode, and one rank's resident memory (its kinds at rest after a step,
+sharded over its 8 GPUs), how its ranks split a fixed global batch of 3,360 sequences of
+8192 tokens (27.5M), the mode, and one rank's resident memory (its kinds at rest after a step,
 the worst rank) and peak (the mode's estimate, with activations). bf16 compute, fp32
 masters and reduce, per-block activation checkpointing. A host count whose ranks cannot
 split the batch evenly, or whose rank would not fit 80 GB, is refused with the reason.
@@ -19,7 +19,8 @@ from service.plan.elastic import elastic_document
 from service.plan.modes import GB
 from service.spec import SpecError, parse_spec
 
-GLOBAL_ROWS, SEQ = 960, 8192  # 960 = 2^6 x 3 x 5: 7 of the 8 host counts split it
+# 3360 = 8 x lcm(1..7): 1 to 7 hosts of 8 GPUs split it evenly, 8 hosts (64) do not
+GLOBAL_ROWS, SEQ = 3360, 8192
 
 
 def spec(model: str, max_nodes: int):

@@ -106,6 +106,18 @@ def test_a_range_with_no_runnable_node_count_is_refused_with_each_reason():
         _plan(spec)
 
 
+def test_a_count_that_cannot_run_between_two_that_can_is_refused():
+    """20 sequences: 2, 4 and 10 ranks split them, 6 and 8 do not; Ray Train could start
+    a group of 6 or 8 inside the range (2, 10), so the range is refused."""
+    with pytest.raises(SpecError, match=r"^layout.elastic: 3, 4 node\(s\) lie between "
+                                        r"runnable counts 1 and 5 but cannot run "
+                                        r"\(global_batch_tokens: 20 sequences per step "
+                                        r"cannot be split evenly over 6 data-parallel"):
+        _plan({**BASE, "global_batch_tokens": 20 * 32})
+    # a count that cannot run above the largest that can only lowers Ray Train's maximum
+    assert _plan(BASE).scaling.config_kwargs()["num_workers"] == (2, 6)
+
+
 def test_every_layout_reads_the_same_rows_of_each_step():
     """The global batch of a step, gathered over every rank and micro-batch in the order
     of its global row index, is the same tensor on every runnable layout."""

@@ -58,7 +58,8 @@ def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
                      model_inputs: ModelSource | None | bool = None) -> PlanDocument:
     """The plan of every node count in ``spec.layout.elastic`` on nodes shaped like
     ``node`` (``model_inputs=False``: layouts and batch splits alone, for a model only
-    the job can build). Refuses a range with no runnable count, naming each one's reason."""
+    the job can build). Refuses a range with no runnable count, naming each one's reason,
+    and one with a count that cannot run between two that can."""
     rng = spec.layout.elastic
     per_node = workers_per_node(spec, node)
     made = [_entry(spec, node, n, per_node, model_inputs)
@@ -67,6 +68,13 @@ def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
     if not runnable:
         raise SpecError("layout.elastic: no node count in the range can run: " + "; ".join(
             f"{e.layout.nodes} node(s): {e.refused}" for e, _ in made))
+    counts = [e.layout.nodes for e, _ in runnable]
+    inside = [e for e, _ in made if e.refused and counts[0] < e.layout.nodes < counts[-1]]
+    if inside:  # Ray Train may start any count of its range: each one must run
+        raise SpecError(
+            f"layout.elastic: {', '.join(str(e.layout.nodes) for e in inside)} node(s) "
+            f"lie between runnable counts {counts[0]} and {counts[-1]} but cannot run "
+            f"({inside[0].refused}); narrow the range or change global_batch_tokens")
     top, split = runnable[-1]
     scaling = Placement(spec, top.layout.nodes, top.layout.replicate, top.layout.shard,
                         None, []).scaling_config_kwargs()
