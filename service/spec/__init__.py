@@ -10,7 +10,7 @@ before any worker starts.
 from __future__ import annotations
 
 import pathlib
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 
