@@ -152,7 +152,9 @@ class Hosts:
 
     # -- teardown --------------------------------------------------------------------
     def close(self) -> None:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
+        # a short grace for SIGTERM: Ray's daemons take 10 s and more to exit on it, and
+        # nothing of a test's cluster needs a clean shutdown
+        for sig, grace in ((signal.SIGTERM, 2), (signal.SIGKILL, 10)):
             for proc in self.procs:
                 try:
                     os.killpg(proc.pid, sig)
@@ -163,7 +165,7 @@ class Hosts:
                     os.kill(pid, sig)
                 except ProcessLookupError:
                     pass
-            deadline = time.time() + 10
+            deadline = time.time() + grace
             while time.time() < deadline and self.pids_of(self.root):
                 time.sleep(0.3)
         for proc in self.procs:
