@@ -3,7 +3,10 @@ of the multi-host run): float64, the built-in tiny model, 12 sequences per step,
 two ranks. The elastic run loses a host after step 5 (its last checkpoint: step 4), goes
 on at 2 x 2 from step 4, loses again after step 7 and grows back to 3 x 2 from step 6;
 "by hand" stops at those checkpoints and resumes from them (``checkpoint.resume_from``)
-on the same layouts; "uninterrupted" runs 3 x 2 throughout."""
+on the same layouts; "uninterrupted" runs 3 x 2 throughout. "grow" starts at 2 x 2 with
+checkpoints every 4 steps, sees the workers Ray Train could start rise to 6 after step 5
+(checkpointed then), is restarted by the resize after step 6 and goes on at 3 x 2 from
+step 5."""
 
 from __future__ import annotations
 
@@ -29,8 +32,11 @@ class HostLost(Exception):
     """Every rank's worker stops here at once, as Ray Train stops a group that lost one."""
 
 
-def _job(rank, world, storage, job_id, stop_after=None, resume_from=None):
-    """(records, full params on rank 0 or None when stopped) of one start of a job."""
+def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts=None,
+         interval=2):
+    """(records, full params on rank 0 or None when stopped) of one start of a job. With
+    ``counts``, rank 0's count of the workers Ray Train could start, one a step."""
+    import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -38,10 +44,14 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None):
     from service.cluster import synthetic_inventory
     from service.inputs import resolve_inputs
     from service.plan.make import plan_document
+    from service.train.capacity import CapacityWatch
     from service.train.loop import run_training
 
-    spec = parse_spec({**SPEC, "checkpoint": {**SPEC["checkpoint"], "resume_from": resume_from}})
+    spec = parse_spec({**SPEC, "checkpoint": {**SPEC["checkpoint"], "interval": interval,
+                                              "resume_from": resume_from}})
     plan = plan_document(spec, synthetic_inventory(3, 0, 2), 4).for_world(world)
+    capacity = None if counts is None else CapacityWatch(
+        iter(counts).__next__, {4, 6}, world, torch.device("cpu"), every_s=0)
     mesh = init_device_mesh("cpu", (plan.layout.replicate, plan.layout.shard),
                             mesh_dim_names=("replicate", "shard"))
     job_dir = os.path.join(storage, job_id)
@@ -58,6 +68,7 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None):
     os.makedirs(job_dir, exist_ok=True)
     try:
         model = run_training(spec, mesh, report=report, plan=plan, job_dir=job_dir,
+                             capacity=capacity,
                              checkpoint_dir=os.path.join(job_dir, "dcp"),
                              inputs=resolve_inputs(spec, storage, storage))
     except HostLost:
@@ -72,14 +83,20 @@ def _six(rank, world, storage):
             "hand": _job(rank, world, storage, "hand-a", stop_after=4)}
 
 
+GROW_COUNTS = [4, 4, 4, 5, 6, 6]  # 5 workers: no layout of the plan's
+
+
 def _four(rank, world, storage):
     return {"elastic": _job(rank, world, storage, "elastic", stop_after=7),
-            "hand": _job(rank, world, storage, "hand-b", stop_after=6, resume_from="hand-a")}
+            "hand": _job(rank, world, storage, "hand-b", stop_after=6, resume_from="hand-a"),
+            "grow": _job(rank, world, storage, "grow", stop_after=6, counts=GROW_COUNTS,
+                         interval=4)}
 
 
 def _six_again(rank, world, storage):
     return {"elastic": _job(rank, world, storage, "elastic"),
-            "hand": _job(rank, world, storage, "hand-c", resume_from="hand-b")}
+            "hand": _job(rank, world, storage, "hand-c", resume_from="hand-b"),
+            "grow": _job(rank, world, storage, "grow", counts=[6] * 10, interval=4)}
 
 
 @functools.cache

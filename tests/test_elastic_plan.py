@@ -150,3 +150,38 @@ def test_the_tables_partitions_are_dmuons_for_each_layout():
         got = dmuon.DedicationPlan.from_dict(e.partition)
         assert got.to_dict() == want.to_dict()
         assert len(want.elements_per_rank) == e.layout.world_size
+
+
+NODES = [  # ray.nodes() entries: a CPU-less head, two GPU hosts (one dead), a CPU host
+    {"NodeID": "h", "Alive": True, "Resources": {"node:__internal_head__": 1.0,
+                                                 "memory": 1e9, "object_store_memory": 1e9}},
+    {"NodeID": "g1", "Alive": True, "Resources": {"CPU": 16.0, "GPU": 8.0, "memory": 1e12}},
+    {"NodeID": "g2", "Alive": False, "Resources": {"CPU": 16.0, "GPU": 8.0}},
+    {"NodeID": "g3", "Alive": True, "Resources": {"CPU": 5.0, "GPU": 8.0}},
+    {"NodeID": "c1", "Alive": True, "Resources": {"CPU": 7.0, "memory": 1e10}},
+]
+
+
+@pytest.mark.parametrize("resources,use_gpu,max_workers", [
+    ({"CPU": 1.0}, False, 64), ({"CPU": 2.0, "GPU": 0.0}, False, 64),
+    ({"CPU": 1.0}, True, 64), ({"CPU": 1.0, "GPU": 1.0}, True, 10),
+    ({"CPU": 0.5, "GPU": 2.0}, True, 64)])
+def test_the_workers_counted_between_steps_are_the_ones_ray_train_would_start(
+        resources, use_gpu, max_workers):
+    """The elastic job's own count (service.train.capacity) against Ray Train's: its
+    coordinator's node filter and its elastic policy's count, run on the same nodes."""
+    from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as rc
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+
+    from service.plan.document import Scaling
+    from service.train.capacity import worker_resources, workers_on
+
+    scaling = Scaling(num_workers=max_workers, use_gpu=use_gpu, resources_per_worker=resources,
+                      placement_strategy="PACK", min_workers=1)
+    coordinator = rc._AutoscalingCoordinatorActor(
+        send_resources_request=lambda *a: None, get_cluster_nodes=lambda: NODES)
+    reserved = coordinator._cluster_node_resources[rc.DEFAULT_SUBCLUSTER]
+    policy = ElasticScalingPolicy(ScalingConfig(**scaling.config_kwargs()))
+    want = policy._count_possible_workers(reserved)
+    assert workers_on(NODES, worker_resources(scaling), max_workers) == want

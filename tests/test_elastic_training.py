@@ -19,7 +19,7 @@ import os
 
 import pytest
 import torch
-from _elastic import close, gloo_runs
+from _elastic import GROW_COUNTS, close, gloo_runs
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +72,24 @@ def test_each_start_is_a_layout_event_with_its_reason_and_the_steps_lost(runs):
     with open(os.path.join(storage, "elastic", "layouts.jsonl")) as fh:
         logged = [json.loads(line) for line in fh]
     assert [{k: v for k, v in e.items() if k != "time"} for e in logged] == events
+
+
+def test_a_rise_in_capacity_is_checkpointed_and_the_resize_resumes_there(runs):
+    """Rank 0's count of the workers Ray Train could start (tests/_elastic.GROW_COUNTS, one
+    a step) reaches a planned layout, 6, after step 5 of a 2 x 2 run that checkpoints
+    every 4: that step is checkpointed (once, though the count stays at 6; the 5 before
+    it names no layout of the plan's), and the resize that comes a step later resumes
+    from it, losing one step instead of two."""
+    (six, four, again), storage = runs
+    grow = four[0]["grow"][0]
+    assert [r["capacity"] for r in grow] == GROW_COUNTS
+    for out in four:  # every rank has rank 0's count
+        assert [r["capacity"] for r in out["grow"][0]] == GROW_COUNTS
+    dcp = os.path.join(storage, "grow", "dcp")
+    assert sorted(os.listdir(dcp)) == [f"step_{s:06d}" for s in (4, 5, 8, 10)]
+    assert again[0]["grow"][0][0]["layout_event"] == {
+        "reason": "capacity returned: 4 -> 6 workers", "previous": [2, 2],
+        "layout": [3, 2], "resumed_from": 5, "steps_lost": 1}
+    assert [(r["step"], r["resumed_from"]) for r in again[0]["grow"][0]] == [
+        (s, 5) for s in range(6, 11)]
+    close(again[0]["grow"][1], six[0]["uninterrupted"][1])

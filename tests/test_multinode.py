@@ -201,7 +201,9 @@ def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
     4 committed); the job goes on at 2 x 2 from step 4 without host c (and waits again
     before step 6 until the test sees it there); host c is started
     again while the ranks wait before step 8 (checkpoint 6), and Ray Train's resize check
-    (every 2 s here) grows the job back to 3 x 2 from step 6. Right after the death Ray
+    (every 2 s here) grows the job back to 3 x 2 from step 6 (the ranks, waiting, do not
+    count the workers between steps, so cannot checkpoint step 8 first: the gloo run's
+    "grow" shows that). Right after the death Ray
     Train still counts host c and asks for 6 workers first: ``start_timeout_s`` (15 s
     here, Ray's default 60) bounds that wait. The parameters equal the
     gloo run on those layouts from those checkpoints (tests/_elastic.py) exactly, and an
@@ -230,6 +232,10 @@ def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
             if r["rank"] == 0]
     assert runs == ([(s, 0, (3, 2)) for s in range(1, 6)] + [(s, 4, (2, 2)) for s in
                     range(5, 8)] + [(s, 6, (3, 2)) for s in range(7, 11)])
+    # rank 0's count of the workers Ray Train could start, from the live nodes: host c
+    # dead on 2 x 2 (and not back before step 8's wait), alive again on 3 x 2
+    assert [r["capacity"] for r in records] == [r["layout"][0] * r["layout"][1]
+                                                for r in records]
     events = [r["layout_event"] for r in records if r["layout_event"]]
     (six, four, again), _ = gloo_runs()
     assert events == [out[0]["elastic"][0][0]["layout_event"] for out in (six, four, again)]

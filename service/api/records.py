@@ -65,6 +65,7 @@ class StepRecord(BaseModel):
     layout: tuple[Count, Count] | None = Field(None, strict=False)  # R x N of this run
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
+    capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)
     partition_digest: text(16) | None = None  # of the partition this rank runs
     node_id: text(128) | None = None
     node_ip: text(64) | None = None

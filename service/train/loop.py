@@ -23,6 +23,7 @@ from ..plan.document import PlanDocument, partition_digest
 from ..plan.layout import batch_split
 from ..spec import JobSpec, parse_spec
 from . import checkpoints, layouts, recipe
+from .capacity import CapacityWatch, ray_capacity
 from .data import Batches
 from .export import export
 from .mesh import build_mesh, device
@@ -159,11 +160,13 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                  inputs: dict | None = None, modes: dict | None = None, export_dir=None,
                  export_only=False, node_ids=None, node_ip=None,
                  progress: dict | None = None, plan: PlanDocument | None = None,
-                 job_dir: str | None = None):
+                 job_dir: str | None = None, capacity: CapacityWatch | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
     ``progress`` (if given) always holds the phase and the 1-based step in progress.
-    With ``job_dir``, rank 0 logs this start's layout event there and reports it."""
+    With ``job_dir``, rank 0 logs this start's layout event there and reports it. With
+    ``capacity`` (an elastic job), a step after which Ray Train could start a larger
+    planned layout is checkpointed, so that the resize it is about to make resumes there."""
     inputs = inputs or BUILTIN_INPUTS
     progress = progress if progress is not None else {}
     progress.update(phase="setup", step=None)
@@ -182,11 +185,8 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     layout = [mesh["replicate"].size(), mesh["shard"].size()]
     event = layouts.start_event(job_dir, layout, start) if job_dir and rank == 0 else None
     if export_only:
-        progress.update(phase="export")
-        if start == 0:
-            raise RuntimeError(f"nothing to export: no committed checkpoint in {checkpoint_dir}")
-        export_model(model, spec, inputs["model"], mesh, export_dir)
-        return model
+        return _export_only(model, spec, inputs["model"], mesh, export_dir,
+                            (start, checkpoint_dir), progress)
     for step in range(start, spec.steps):
         progress.update(phase="step", step=step + 1)  # numbered as the records are
         t0 = time.perf_counter()
@@ -201,10 +201,13 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                       node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
         event = None
         nonfinite.after_step(opt, record, step + 1)
+        grow = False
+        if capacity is not None:
+            record["capacity"], grow = capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
         path = None
-        if checkpoint_dir and checkpoints.due(spec, step + 1):
+        if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(spec, checkpoint_dir, step + 1,
                                                           model, opt)
         report(record, path)
@@ -212,6 +215,15 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     progress.update(phase="export", step=None)
     if export_dir and spec.export.enabled:
         export_model(model, spec, inputs["model"], mesh, export_dir)
+    return model
+
+
+def _export_only(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str,
+                 resumed: tuple[int, str | None], progress: dict):
+    progress.update(phase="export")
+    if resumed[0] == 0:
+        raise RuntimeError(f"nothing to export: no committed checkpoint in {resumed[1]}")
+    export_model(model, spec, source, mesh, out_dir)
     return model
 
 
@@ -245,11 +257,14 @@ def _worker(config: dict, progress: dict) -> None:
 
     spec = parse_spec(config["spec"])
     # an elastic job's layout is the one planned for the workers Ray Train started
-    plan = PlanDocument.model_validate(config["plan"]).for_world(
-        ray.train.get_context().get_world_size())
+    world = ray.train.get_context().get_world_size()
+    plan = PlanDocument.model_validate(config["plan"]).for_world(world)
     torch.set_num_threads(int(config.get("threads", 1)))
     mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard)
     rank = dist.get_rank()
+    capacity = None if plan.elastic is None else CapacityWatch(
+        ray_capacity(plan.scaling, plan.scaling.num_workers),
+        {e.layout.world_size for e in plan.runnable()}, world, device())
 
     def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
         ray.train.report(record)
@@ -259,7 +274,7 @@ def _worker(config: dict, progress: dict) -> None:
                          export_dir=config.get("export_dir"),
                          export_only=config.get("export_only", False), node_ids=node_ids,
                          node_ip=ray.util.get_node_ip_address(),
-                         progress=progress, job_dir=config.get("job_dir"))
+                         progress=progress, job_dir=config.get("job_dir"), capacity=capacity)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:
