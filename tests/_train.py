@@ -179,3 +179,20 @@ def gram_ns_flops(shape, steps: int = 5) -> int:
     assert steps == 5
     m, n = sorted(shape)
     return 8 * m * m * n + 28 * m**3 if m < n else 5 * (4 * m * m * n + 2 * m**3)
+
+
+def materialized_from_meta(model, layout: tuple[int, int], predicate, *, seed: int, init_fn):
+    """A model built on meta, dedicated, fully sharded per layer and at the root on an
+    R x N mesh, then ``dmuon.materialize``d: the meta-init tests' set-up."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    dmuon.dedicate_params(model, mesh["shard"], predicate=predicate,
+                          replicate_mesh=mesh["replicate"] if R > 1 else None)
+    fsdp_mesh = mesh if R > 1 else mesh["shard"]
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=fsdp_mesh)
+    dmuon.fully_shard(model, mesh=fsdp_mesh)
+    dmuon.materialize(model, seed=seed, init_fn=init_fn)
+    return model

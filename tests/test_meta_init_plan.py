@@ -6,7 +6,7 @@ meta init are checked against a full init in tests/core/test_meta_init.py."""
 from __future__ import annotations
 
 import pytest
-from torch.distributed.device_mesh import init_device_mesh
+from _train import materialized_from_meta
 from torch.profiler import ProfilerActivity, profile
 
 import dmuon
@@ -25,18 +25,10 @@ BIG = dict(vocab_size=256, dim=1536, n_layers=18, n_heads=12, n_kv_heads=12, ffn
 
 
 def _setup(layout, config):
-    R, N = layout
-    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
-    model = build_model(config, device="meta")
     # the service's rule: the one the planner's prediction used
-    dmuon.dedicate_params(model, mesh["shard"], predicate=split_params(model).predicate,
-                          replicate_mesh=mesh["replicate"] if R > 1 else None)
-    fsdp_mesh = mesh if R > 1 else mesh["shard"]
-    for layer in model.model.layers:
-        dmuon.fully_shard(layer, mesh=fsdp_mesh)
-    dmuon.fully_shard(model, mesh=fsdp_mesh)
-    dmuon.materialize(model, seed=SEED, init_fn=init_builtin)
-    return model
+    model = build_model(config, device="meta")
+    return materialized_from_meta(model, layout, split_params(model).predicate, seed=SEED,
+                                  init_fn=init_builtin)
 
 
 def _rss() -> tuple[int, int]:

@@ -10,8 +10,7 @@ import functools
 import pytest
 import torch
 from _model import build_model, get_config, init_builtin, muon_predicate
-from _train import global_batches, local_rows, loss_of
-from torch.distributed.device_mesh import init_device_mesh
+from _train import global_batches, local_rows, loss_of, materialized_from_meta
 
 import dmuon
 from dmuon.testing import run
@@ -20,17 +19,8 @@ SEED = 7
 
 
 def _setup(layout, config):
-    R, N = layout
-    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
-    model = build_model(config, device="meta")
-    dmuon.dedicate_params(model, mesh["shard"], predicate=muon_predicate,
-                          replicate_mesh=mesh["replicate"] if R > 1 else None)
-    fsdp_mesh = mesh if R > 1 else mesh["shard"]
-    for layer in model.model.layers:
-        dmuon.fully_shard(layer, mesh=fsdp_mesh)
-    dmuon.fully_shard(model, mesh=fsdp_mesh)
-    dmuon.materialize(model, seed=SEED, init_fn=init_builtin)
-    return model
+    return materialized_from_meta(build_model(config, device="meta"), layout, muon_predicate,
+                                  seed=SEED, init_fn=init_builtin)
 
 
 def _values(rank, world, layout):
