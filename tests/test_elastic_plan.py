@@ -40,6 +40,11 @@ def _plan(spec_data, nodes=3, cpus=2):
     ({"layout": {"elastic": {"max_nodes": 2000}}}, "layout.elastic.max_nodes"),
     ({"layout": {"elastic": {"max_nodes": 2, "resize_check_s": float("nan")}}},
      "layout.elastic.resize_check_s"),
+    ({"layout": {"elastic": {"max_nodes": 2, "max_wait_s": 0}}}, "layout.elastic.max_wait_s"),
+    ({"layout": {"elastic": {"max_nodes": 2, "max_wait_s": float("inf")}}},
+     "layout.elastic.max_wait_s"),
+    ({"layout": {"elastic": {"max_nodes": 2, "max_wait_s": 10**30}}},
+     "layout.elastic.max_wait_s"),
 ])
 def test_bad_elastic_specs_are_refused_naming_the_field(change, says):
     with pytest.raises(SpecError, match=says):

@@ -205,14 +205,17 @@ def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
     count the workers between steps, so cannot checkpoint step 8 first: the gloo run's
     "grow" shows that). Right after the death Ray
     Train still counts host c and asks for 6 workers first: ``start_timeout_s`` (15 s
-    here, Ray's default 60) bounds that wait. The parameters equal the
+    here, Ray's default 60) bounds that wait. ``max_wait_s`` (5 s) is passed while Ray
+    Train waits and starts groups, but never fails the job: the live nodes hold the 4
+    workers of the smallest layout throughout. The parameters equal the
     gloo run on those layouts from those checkpoints (tests/_elastic.py) exactly, and an
     uninterrupted 3 x 2 run within 1e-9."""
     hosts = three_hosts
     spec = {**ELASTIC, "name": "elastic", "max_failures": 3,
             "layout": {**ELASTIC["layout"], "elastic": {**ELASTIC["layout"]["elastic"],
                                                         "resize_check_s": 2.0,
-                                                        "start_timeout_s": 15.0}}}
+                                                        "start_timeout_s": 15.0,
+                                                        "max_wait_s": 5.0}}}
     proc, metrics, params = _submit(hosts, "elastic", hold_before=(6, 8), spec_data=spec)
     _wait_for_step(metrics, 5, proc)
     assert {r["rank"] for r in _records(metrics) if r["step"] == 5} == set(range(6))

@@ -9,6 +9,8 @@ workers, 2x2 HSDP, gloo on loopback):
 - ``dmuon-svc export JOB`` rewrites the export from the newest checkpoint;
 - a user's model by import path from a working_dir, through ``ray job submit`` and
   through REST (``dmuon-svc submit --working-dir`` uploads the directory);
+- an elastic job whose smallest layout the head cannot hold fails once it has waited
+  ``layout.elastic.max_wait_s``, naming both counts (Ray Train alone waits for ever);
 - bad paths and sizes refused with their field path before anything is stored.
 """
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from _elastic import SPEC as ELASTIC
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from _http import Service
 
@@ -238,6 +242,27 @@ def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc
         reason = json.load(fh)
     assert reason["type"] == "PlanMismatch" and message in reason["message"], reason
     assert not os.path.exists(os.path.join(storage, "edited", "metrics.jsonl"))
+
+
+def test_an_elastic_job_below_its_smallest_layout_fails_after_max_wait_s(svc):
+    """At least 3 nodes of 2 workers, on a head that holds 4 workers: the job waits for
+    capacity, then fails with a reason that names what the cluster holds and what the
+    smallest layout needs; no step ran."""
+    layout = {**ELASTIC["layout"], "elastic": {"min_nodes": 3, "max_nodes": 3,
+                                               "max_wait_s": 3}}
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {**ELASTIC, "name": "short",
+                                                            "layout": layout}})
+    assert status == 201, job
+    done = svc.wait_ended(job["id"], timeout=240)
+    reason = done["reason"]
+    assert done["status"] == "FAILED" and reason["type"] == "CapacityTimeout", reason
+    assert (reason["rank"], reason["step"], reason["source"]) == (None, None, "controller")
+    message = re.fullmatch(r"waited (\d+) s for capacity \(layout.elastic.max_wait_s = 3\): "
+                           r"the cluster holds (\d+) worker\(s\) of \{'CPU': 1(?:\.0)?\}; "
+                           r"the smallest layout the plan runs, 3 x 2, needs 6",
+                           reason["message"])
+    assert message and int(message[1]) >= 3 and int(message[2]) == WORLD, reason["message"]
+    assert svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1] == []
 
 
 def _bad_specs(data: str) -> list[tuple[dict, str]]:

@@ -27,6 +27,11 @@ class ElasticSpec(_Strict):
         60.0, gt=0, le=86400, description="how long a worker group waits for the workers "
         "it asked for before it asks for what the cluster holds; right after a node dies "
         "Ray Train may still count it (RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S)")
+    max_wait_s: float | None = Field(
+        None, gt=0, le=30 * 86400, description="how long the job may wait, at its start or "
+        "after a loss, while the cluster holds fewer workers than the range's smallest "
+        "runnable layout needs; then it fails naming both counts. null: it waits as long "
+        "as Ray Train does, which is for ever")
 
     @model_validator(mode="after")
     def _ordered(self):

@@ -8,7 +8,8 @@ and repeats only the steps taken while its check had not yet come (its view of t
 cluster lags the nodes' own by up to its coordinator's 20 s tick).
 
 The count is a collective (a broadcast from rank 0): every rank takes the same
-checkpoints."""
+checkpoints. Below the range's smallest layout Ray Train waits for ever: ``deadline.py``
+bounds that."""
 
 from __future__ import annotations
 

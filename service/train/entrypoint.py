@@ -125,9 +125,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
               "return_params": return_params, "export_only": export_only,
               "failure_file": failure_file, "job_dir": None if export_only else job_dir}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
-    if spec.layout.elastic is not None:  # Ray Train hands it to its controller
-        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
-            spec.layout.elastic.start_timeout_s)
+    waits = _elastic_controls(spec.layout.elastic, plan, failure_file)
     trainer = TorchTrainer(
         train.train_loop_per_worker, train_loop_config=config,
         scaling_config=ScalingConfig(**plan.scaling.config_kwargs()),
@@ -139,7 +137,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             # restarted group resumes from the newest committed one there
             failure_config=FailureConfig(max_failures=spec.max_failures),
             callbacks=[metrics, *tracking.callbacks(spec, job_dir, plan.scaling.num_workers,
-                                                    export_only)],
+                                                    export_only), *waits],
         ),
     )
     result = trainer.fit()
@@ -147,6 +145,20 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     ran = layouts.last_layout(job_dir)  # an elastic job's may differ from the plan's
     layout = plan.layout if ran is None else plan.for_world(ran[0] * ran[1]).layout
     return result, layout, layouts.last_step(metrics.path)
+
+
+def _elastic_controls(elastic, plan: PlanDocument, failure_file: str) -> list:
+    """An elastic job's settings for Ray Train's controller: its worker-group start
+    timeout, and the callback that bounds its wait for capacity (``max_wait_s``)."""
+    if elastic is None:
+        return []
+    # read by the controller from its environment, which Ray Train copies from here
+    os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(elastic.start_timeout_s)
+    if elastic.max_wait_s is None:
+        return []
+    from .deadline import CapacityDeadline
+
+    return [CapacityDeadline(plan, elastic.max_wait_s, failure_file)]
 
 
 def failure_path(storage: str, job_id: str, export_only: bool = False) -> str:
