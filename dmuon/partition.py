@@ -106,20 +106,21 @@ class DedicationPlan(Mapping):
         """Largest rank's NS FLOPs over the mean."""
         return self._max_over_mean(self.ns_flops_per_rank)
 
-    @property
-    def boundaries(self) -> dict[str, list[str]]:
+    def _units_by(self, field: str) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
         for a in self.params.values():
-            out.setdefault(a.boundary, []).append(a.fqn)
+            out.setdefault(getattr(a, field), []).append(a.fqn)
         return out
+
+    @property
+    def boundaries(self) -> dict[str, list[str]]:
+        """Hook boundary -> its units, in plan order."""
+        return self._units_by("boundary")
 
     @property
     def param_fqns(self) -> dict[str, list[str]]:
         """Parameter FQN -> its units (one, or its expert slices in order)."""
-        out: dict[str, list[str]] = {}
-        for a in self.params.values():
-            out.setdefault(a.param, []).append(a.fqn)
-        return out
+        return self._units_by("param")
 
     def owner_of(self, fqn: str) -> int:
         return self.params[fqn].owner
