@@ -60,7 +60,7 @@ class CapacityDeadline(ControllerCallback):
         holds = workers_on(ray.nodes(), self.per_worker, self.max_workers)
         if holds >= self.needs:  # starting, or Ray's view is behind: another term
             log.warning("no worker group for %.0f s, but the nodes hold %d workers (the "
-                     "smallest layout needs %d): waiting on", waited, holds, self.needs)
+                        "smallest layout needs %d): waiting on", waited, holds, self.needs)
             self.since = time.monotonic()
             return
         error = CapacityTimeout(
