@@ -40,7 +40,9 @@ class CapacityDeadline(ControllerCallback):
 
     def __init__(self, plan, max_wait_s: float, failure_file: str):
         smallest = plan.runnable()[0].layout
-        self.needs, self.smallest = smallest.world_size, f"{smallest.replicate} x {smallest.shard}"
+        # the minimum Ray Train itself is given, so the two wait on the same count
+        self.needs = plan.scaling.min_workers
+        self.smallest = f"{smallest.replicate} x {smallest.shard}"
         self.per_worker, self.max_workers = worker_resources(plan.scaling), plan.scaling.num_workers
         self.max_wait_s, self.failure_file = max_wait_s, failure_file
         self.since: float | None = None
