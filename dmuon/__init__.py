@@ -82,9 +82,11 @@ from .state_dicts import (
     set_optimizer_state_dict,
 )
 from .stats import MEMORY_KINDS, memory_report
+from .tp_traffic import install_tp_traffic_counters
 
 guard_tensor_parallel()
 install_fully_shard()
+install_tp_traffic_counters()
 
 
 def get_ledger(model) -> Ledger:

@@ -1,7 +1,7 @@
 """Every collective DMuon issues, the streams it issues them on, and the byte ledger.
 
-Bytes follow the bandwidth-optimal cost model per rank: all-gather and reduce-scatter
-move (n-1)/n x S, all-reduce 2(n-1)/n x S, for a payload of S bytes on a group of n
+Bytes follow the bandwidth-optimal cost model per rank: all-gather, reduce-scatter and
+all-to-all move (n-1)/n x S, all-reduce 2(n-1)/n x S, for a payload of S bytes on a group of n
 ranks (for the uneven all-gather and reduce-scatter, S is the whole gathered or reduced
 tensor; the broadcasts or reduces one is made of on gloo move the same). Counts are
 exact (fractions) and kept per mesh dimension (``shard``, ``replicate``, ``tp``) and
@@ -24,7 +24,8 @@ import torch.distributed as dist
 DIMS = ("shard", "replicate", "tp")
 PHASES = ("forward", "backward", "recompute", "reduce", "step", "replicate", "state_dict",
           "checkpoint")
-_FACTOR = {"broadcast": 1, "reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}
+_FACTOR = {"broadcast": 1, "reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1,
+           "all_reduce": 2}
 
 
 class Ledger:

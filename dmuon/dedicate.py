@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import comm
+from . import comm, tp_traffic
 from .buffers import Boundary, Member
 from .hooks import BoundaryHooks
 from .partition import DedicationPlan, check_plan, model_entries, plan_from_shapes
 from .reduce import GradientReduce
 from .state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
 from .state_dict import install_state_dict_guard
+from .tp import tp_shard_of
 
 
 def _groups_like(group, copies: int) -> list:
@@ -122,13 +123,14 @@ def _param_dtype(members: list[Member], mp_policy) -> tuple[torch.dtype, torch.d
     return param_dtype, master
 
 
-def _refuse_tp_on_meta(model: nn.Module, fqns) -> None:
-    for fqn in fqns:
-        p = model.get_parameter(fqn)
-        if p.is_meta and hasattr(p, "placements"):
-            raise NotImplementedError(
-                f"'{fqn}' is a tensor-parallel param on the meta device: meta-device init "
-                "with tensor parallelism is not supported yet; materialise before TP")
+def _storage_less_like(p: nn.Parameter, device) -> nn.Parameter:
+    """A parameter like ``p`` without storage: a TP shard stays the DTensor it is, its
+    local part empty until ``bind_views``."""
+    local = torch.empty(0, dtype=p.dtype, device=device)
+    tp = tp_shard_of(p)
+    if tp is not None:
+        local = tp.as_dtensor(local)
+    return nn.Parameter(local, requires_grad=p.requires_grad)
 
 
 def leave_meta(state: DMuonState) -> None:
@@ -141,10 +143,9 @@ def leave_meta(state: DMuonState) -> None:
         for p in b.params:
             if not p.is_meta:
                 continue
-            marks = dict(p.__dict__)
-            torch.utils.swap_tensors(p, nn.Parameter(
-                torch.empty(0, dtype=p.dtype, device=state.ctx.device),
-                requires_grad=p.requires_grad))
+            new = _storage_less_like(p, state.ctx.device)
+            marks = {k: v for k, v in p.__dict__.items() if k not in new.__dict__}
+            torch.utils.swap_tensors(p, new)
             p.__dict__.update(marks)
             swapped = True
         if swapped:
@@ -217,7 +218,6 @@ def dedicate_params(
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
     state.mp_policy = mp_policy
-    _refuse_tp_on_meta(model, plan.param_fqns)
     params = dict(model.named_parameters())
     state.needs_init = any(params[f].is_meta for f in plan.param_fqns)
     build_boundaries(state, params, _local_shapes(plan, params), mp_policy)
@@ -235,10 +235,12 @@ def _attach(model: nn.Module, state: DMuonState) -> None:
         for m in b.members:
             if m.tp is not None:
                 plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
+                plan.tp_size = m.tp.size
     for fqn in plan.param_fqns:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         params[fqn]._dmuon_owner_state = state  # param groups find the state
     install_state_dict_guard(model, plan)
+    tp_traffic.attach(model, state)
     state.model = weakref.ref(model)
     _discarding_zero_grad(model, state)
     plan.bind(params)

@@ -117,16 +117,31 @@ def _initialise(model: nn.Module, state, seed: int, init_fn) -> None:
                 _keep(state, p, tmp, column_of)
 
 
+@contextlib.contextmanager
+def _dedicated_params_detached(model: nn.Module):
+    """The dedicated params taken out of their modules, and put back as the same
+    objects: ``to_empty`` would allocate them in full on every rank, and it replaces a
+    tensor subclass's (a TP shard's DTensor) content by ``swap_tensors``, which takes its
+    marks and autograd hooks along."""
+    slots = [(module, attr, p) for module in model.modules()
+             for attr, p in module._parameters.items() if p is not None and is_dedicated(p)]
+    for module, attr, _ in slots:
+        module._parameters[attr] = None
+    try:
+        yield
+    finally:
+        for module, attr, p in slots:
+            module._parameters[attr] = p
+
+
 def _to_empty_except_dedicated(model: nn.Module, state) -> None:
-    """``model.to_empty`` for FSDP2 shards and buffers; the dedicated params shrink to
-    nothing first and view DMuon's buffers again afterwards. Buffers that had values
-    keep them (``to_empty`` would leave them uninitialised)."""
+    """``model.to_empty`` for FSDP2 shards and buffers, the dedicated params left out;
+    they view DMuon's buffers again afterwards. Buffers that had values keep them
+    (``to_empty`` would leave them uninitialised)."""
     device = state.ctx.device
     kept = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
-    for b in state.boundaries:
-        for m in b.members:
-            m.module_tensor().data = torch.empty(0, dtype=b.param_dtype, device=device)
-    model.to_empty(device=device)
+    with _dedicated_params_detached(model):
+        model.to_empty(device=device)
     for b in state.boundaries:
         b.bind_views()
         b.free()

@@ -47,6 +47,9 @@ class DedicationPlan(Mapping):
     shard_size: int
     replicate_size: int
     params: dict[str, Assignment] = field(default_factory=dict)
+    # under tensor parallelism: the T peers of each (replicate, shard) coordinate share
+    # its matrices, each owner holding its TP shard; ``owner`` is the coordinate's index
+    tp_size: int = 1
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bind(self, params: dict[str, nn.Parameter]) -> None:
@@ -132,6 +135,7 @@ class DedicationPlan(Mapping):
         return {
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
+            "tp_size": self.tp_size,
             "imbalance": self.imbalance,
             "ns_imbalance": self.ns_imbalance,
             "elements_per_rank": self.elements_per_rank,
@@ -155,7 +159,8 @@ class DedicationPlan(Mapping):
     @classmethod
     def from_dict(cls, stored: Mapping) -> DedicationPlan:
         """The plan ``to_dict`` wrote (a stored plan, read back from JSON)."""
-        plan = cls(int(stored["shard_size"]), int(stored["replicate_size"]))
+        plan = cls(int(stored["shard_size"]), int(stored["replicate_size"]),
+                   tp_size=int(stored.get("tp_size", 1)))
         for unit, a in stored["params"].items():
             experts = a.get("experts")
             plan.params[unit] = Assignment(
@@ -166,16 +171,21 @@ class DedicationPlan(Mapping):
         return plan
 
     def table(self) -> str:
-        """Per-rank ownership table as printed by the demo and the CLI."""
+        """Per-rank ownership table as printed by the demo and the CLI. Under tensor
+        parallelism one row per (r, s, t) rank (global rank ``(r * N + s) * T + t``, the
+        ``(replicate, shard, tp)`` mesh), each holding 1/T of its coordinate's matrices."""
         per_rank, flops = self.elements_per_rank, self.ns_flops_per_rank
         counts = Counter(a.owner for a in self.params.values())
-        lines = [f"{'rank':>4} {'(r,s)':>7} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
-        for rank in range(self.world_size):
-            coord = f"({rank // self.shard_size},{rank % self.shard_size})"
+        T = self.tp_size
+        coord = "(r,s,t)" if T > 1 else "(r,s)"
+        lines = [f"{'rank':>4} {coord:>7} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
+        for rank in range(self.world_size * T):
+            slot, t = divmod(rank, T)
+            where = f"{slot // self.shard_size},{slot % self.shard_size}" + (f",{t}" if T > 1
+                                                                           else "")
             lines.append(
-                f"{rank:>4} {coord:>7} {counts[rank]:>8} {per_rank[rank]:>14,} "
-                f"{flops[rank] / 1e9:>10.2f}"
-            )
+                f"{rank:>4} {'(' + where + ')':>7} {counts[slot]:>8} "
+                f"{per_rank[slot] // T:>14,} {flops[slot] / T / 1e9:>10.2f}")
         lines.append(f"imbalance (max/mean): elements {self.imbalance:.4f}, "
                      f"NS FLOPs {self.ns_imbalance:.4f}")
         return "\n".join(lines)

@@ -37,3 +37,21 @@ class PeakNewBytes(TorchDispatchMode):
         self.alive = {k: v for k, v in self.alive.items() if not v[0].expired()}
         self.peak = max(self.peak, sum(n for _, n in self.alive.values()))
         return out
+
+
+def peak_live_bytes(fn):
+    """``(fn(), peak)``: the peak of live CPU tensor bytes ``fn`` allocated on top of what
+    existed, from the profiler's allocation records (operators' own allocations and the
+    free and storage-resize records, in time order). It sees what tensor subclasses
+    allocate for their local tensors too."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
+                     else e.self_cpu_memory_usage) for e in prof.events())
+    live = peak = 0
+    for _, d in deltas:
+        live += d
+        peak = max(peak, live)
+    return out, peak

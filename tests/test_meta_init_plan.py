@@ -6,8 +6,8 @@ meta init are checked against a full init in tests/core/test_meta_init.py."""
 from __future__ import annotations
 
 import pytest
+from _memory import peak_live_bytes
 from _train import materialized_from_meta
-from torch.profiler import ProfilerActivity, profile
 
 import dmuon
 from dmuon import cost
@@ -38,27 +38,14 @@ def _rss() -> tuple[int, int]:
     return tuple(int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "VmHWM"))
 
 
-def _peak_live(events) -> int:
-    """Peak of live CPU tensor bytes from the profiler's allocation records: operators'
-    own allocations and the free (and storage-resize) records, in time order."""
-    deltas = sorted((e.time_range.start, e.cpu_memory_usage if e.name == "[memory]"
-                     else e.self_cpu_memory_usage) for e in events)
-    live = peak = 0
-    for _, d in deltas:
-        live += d
-        peak = max(peak, live)
-    return peak
-
-
 def _measure(rank, world, layout):
     with open("/proc/self/clear_refs", "w") as fh:
         fh.write("5")  # resets VmHWM to the current RSS
     rss_before = _rss()[0]
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        model = _setup(layout, ModelConfig(**BIG))
+    model, peak_live = peak_live_bytes(lambda: _setup(layout, ModelConfig(**BIG)))
     peak_rss = _rss()[1]
     memory = dmuon.memory_report(model)
-    return {"peak_live": _peak_live(prof.events()), "rss_growth": peak_rss - rss_before,
+    return {"peak_live": peak_live, "rss_growth": peak_rss - rss_before,
             "memory": memory}
 
 

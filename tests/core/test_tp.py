@@ -59,7 +59,7 @@ def _train_tp(rank, world, path=None, save_at=None, load=False):
         if save_at == step + 1:
             dmuon.checkpoint.save(path, model, opt,
                                   extra={"step": step + 1, "sched": sched.state_dict()})
-    return {"full": dmuon.full_state_dict(model), "tp_bytes": ledger.last_step("tp"),
+    return {"full": dmuon.full_state_dict(model), "tp_bytes": ledger.last_step("tp", "step"),
             "gathers": gathers, "plan": plan.to_dict(), "dp_rank": dp_rank}
 
 
