@@ -20,6 +20,9 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   meta device, then ``materialize(model, seed=..., init_fn=None)`` allocates and
   initialises it. ``plan``: a stored ``DedicationPlan`` (or its ``to_dict()``) to apply
   instead of partitioning, refused with ``PlanMismatch`` when the model or mesh differs.
+  Non-matrix params the predicate selects go to AdamW (one warning names them).
+  ``mp_policy``/``compute_dtype`` given here are DMuon's own policy; otherwise the first
+  ``fully_shard(mp_policy=...)`` over a hook boundary is.
   ``dedicate_params_ddp(model, mesh, predicate)`` + ``replicate(model)``: the DDP
   composition (the R x 1 layout).
 - ``fully_shard(module, **fsdp_kwargs)``: FSDP2's, with the dedicated params in
@@ -30,13 +33,17 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   rank, imbalance, ``table()``; also a mapping param -> owner rank);
   ``get_dedicated_params(model)``, ``get_owned_params(model, rank)``.
 - ``Muon(model_or_param_groups, ..., param_groups=None, skip_nonfinite=True)``: Muon on
-  owned matrices, ``torch.optim.AdamW`` for the rest; ``zero_grad`` drops every gradient
+  owned matrices, ``torch.optim.AdamW`` for the rest (each group's ``kind`` and
+  ``use_muon`` say which); ``zero_grad`` drops every gradient
   DMuon holds for the step; a non-finite step is skipped on every rank.
 - ``newton_schulz(G, steps, backend="gram", coefficients, dtype, restart=True,
   gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``.
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
 - ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model or
-  optimizer, max_norm)``; ``wait_all_reduces(model)``.
+  optimizer, max_norm)``; ``wait_all_reduces(model)``; ``wait_all_replicate_broadcasts(
+  model)`` (also ``wait_all_post_step_broadcasts``): HSDP's post-step all-gathers landed.
+  ``dmuon.utils`` holds these and ``get_dedicated_params``/``get_owned_params`` under the
+  reference's module name.
 - ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
   ``checkpoint.get_state_dict/set_state_dict``: sharded DCP checkpoints that load on any
   layout; ``get/set_model_state_dict``, ``get/set_optimizer_state_dict``:
@@ -51,7 +58,7 @@ parallelism's public ``distribute_module`` so that TP applied after ``dedicate_p
 is refused by name.
 """
 
-from . import checkpoint
+from . import checkpoint, utils
 from .comm import Ledger
 from .compose import (
     dedicate_params_ddp,
@@ -72,7 +79,9 @@ from .state import (
     get_plan,
     get_state,
     ignored_params,
+    wait_all_post_step_broadcasts,
     wait_all_reduces,
+    wait_all_replicate_broadcasts,
 )
 from .state_dict import full_state_dict
 from .state_dicts import (
@@ -131,5 +140,8 @@ __all__ = [
     "set_model_state_dict",
     "set_optimizer_state_dict",
     "unit_seed",
+    "utils",
+    "wait_all_post_step_broadcasts",
     "wait_all_reduces",
+    "wait_all_replicate_broadcasts",
 ]

@@ -159,7 +159,7 @@ def _copy_optimizer(optimizer, target: dict, optim_sd: dict) -> None:
 
 def load_groups(optimizer, saved_groups: list[dict]) -> None:
     """Saved hyperparameters into the optimizer's groups, by position."""
-    skipped = (*_GROUP_KEYS_SKIPPED, "kind")
+    skipped = (*_GROUP_KEYS_SKIPPED, "kind", "use_muon")  # what a group is, not a setting
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k not in skipped})
 

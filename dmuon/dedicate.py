@@ -67,15 +67,25 @@ def _rank_context(mesh, replicate_mesh, reduce_dtype) -> RankContext:
     )
 
 
-def _policy(mp_policy, compute_dtype):
+def _policy(mp_policy, compute_dtype, model: nn.Module, fqns):
+    """DMuon's own policy, when ``dedicate_params`` is given one. ``compute_dtype=X`` (the
+    reference's name) computes and gathers in X and reduces in the dedicated params' own
+    dtype: the masters' precision, which a sum of many ranks' half-precision gradients
+    needs (FSDP2's ``reduce_dtype=None`` would reduce in X)."""
     if compute_dtype is None:
         return mp_policy
     if mp_policy is not None:
         raise ValueError("dedicate_params takes mp_policy or compute_dtype, not both "
-                         "(compute_dtype=X is mp_policy=MixedPrecisionPolicy(param_dtype=X))")
+                         "(compute_dtype=X is mp_policy=MixedPrecisionPolicy(param_dtype=X, "
+                         "reduce_dtype=<the dedicated params' dtype>))")
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return MixedPrecisionPolicy(param_dtype=compute_dtype)
+    dtypes = {model.get_parameter(f).dtype for f in fqns}
+    if len(dtypes) != 1:
+        raise ValueError(f"compute_dtype with dedicated params of dtypes "
+                         f"{sorted(map(str, dtypes))}: pass mp_policy=MixedPrecisionPolicy("
+                         "param_dtype=..., reduce_dtype=...) to say which dtype reduces")
+    return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtypes.pop())
 
 
 def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
@@ -199,25 +209,29 @@ def dedicate_params(
 ) -> DedicationPlan:
     """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
 
-    ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``, or set by ``dmuon.fully_shard``):
-    packed buffers and gathers in ``param_dtype``, reduces in ``reduce_dtype``, masters
-    and momentum in the params' own dtype. ``prefetch``: how many boundaries ahead the
-    forward (and, in Z3, the backward) issues all-gathers. A model on the meta device is
-    planned and laid out without values; ``dmuon.materialize`` then creates them.
-    ``compute_dtype`` (the reference's name) is ``mp_policy=MixedPrecisionPolicy(
-    param_dtype=compute_dtype)``. ``plan``: a stored plan (or its ``to_dict()``) to apply
-    instead of partitioning; refused (``PlanMismatch``, naming the first differing FQN)
-    before any collective when it does not describe this model and mesh. The plan
-    returned also maps each dedicated ``nn.Parameter`` to its owner's global rank.
+    ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``): packed buffers and gathers in
+    ``param_dtype``, reduces in ``reduce_dtype``, masters and momentum in the params' own
+    dtype. Given here, it is DMuon's own and ``fully_shard``'s ``mp_policy`` covers
+    FSDP2's params only; else the first ``dmuon.fully_shard(mp_policy=...)`` over a hook
+    boundary sets it for both. ``compute_dtype=X`` (the reference's name) is
+    ``mp_policy=MixedPrecisionPolicy(param_dtype=X, reduce_dtype=<the dedicated params'
+    dtype>)``. A non-matrix param the predicate selects goes to AdamW, with one warning
+    naming them all. ``prefetch``: how many boundaries ahead the forward (and, in Z3,
+    the backward) issues all-gathers. A model on the meta device is planned and laid out
+    without values; ``dmuon.materialize`` then creates them. ``plan``: a stored plan (or
+    its ``to_dict()``) to apply instead of partitioning; refused (``PlanMismatch``,
+    naming the first differing FQN) before any collective when it does not describe this
+    model and mesh. The plan returned also maps each dedicated ``nn.Parameter`` to its
+    owner's global rank.
     """
     _check_can_dedicate(model, prefetch)
-    mp_policy = _policy(mp_policy, compute_dtype)
     entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
+    mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
     plan = _plan_to_run(plan, entries, mesh.size(),
                         replicate_mesh.size() if replicate_mesh is not None else 1)
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
-    state.mp_policy = mp_policy
+    state.mp_policy, state.own_mp_policy = mp_policy, mp_policy is not None
     params = dict(model.named_parameters())
     state.needs_init = any(params[f].is_meta for f in plan.param_fqns)
     build_boundaries(state, params, _local_shapes(plan, params), mp_policy)

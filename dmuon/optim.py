@@ -118,9 +118,11 @@ class Muon(torch.optim.Optimizer):
     ``weight_decay``, ``nesterov``, ``ns_*``, ``eps``, ``adjust_lr_fn``) or other params
     (``torch.optim.AdamW`` on FSDP2 shards; its keys ``lr``, ``betas``, ``eps``,
     ``weight_decay`` override the ``adamw_*`` defaults). Every group carries its own
-    ``lr``, so LR schedulers scale them together. A step whose gradients are not finite
-    on some rank (``nonfinite_ranks`` names them, ``skipped_steps`` counts) is skipped
-    on every rank with its gradients dropped (``skip_nonfinite=False`` applies it).
+    ``lr``, so LR schedulers scale them together, and says which it is: ``kind``
+    (``"muon"`` or ``"adamw"``) and the reference's ``use_muon``. A step whose gradients
+    are not finite on some rank (``nonfinite_ranks`` names them, ``skipped_steps``
+    counts) is skipped on every rank with its gradients dropped (``skip_nonfinite=False``
+    applies it).
     NS defaults to Gram NS with one restart
     in ``ns_dtype`` (default: fp16 on CUDA, the gradient's precision on the CPU;
     ``ns_gram_dtype`` raises the m x m iteration's precision); ``ns_backend="standard"``
@@ -187,7 +189,8 @@ class Muon(torch.optim.Optimizer):
                               "params": g["params"]})
         self._adamw = torch.optim.AdamW(
             adamw or [{"params": [torch.zeros(0, requires_grad=True)]}], **adamw_defaults)
-        return muon + [dict(g, kind="adamw") for g in self._adamw.param_groups[:len(adamw)]]
+        return muon + [dict(g, kind="adamw", use_muon=False)
+                       for g in self._adamw.param_groups[:len(adamw)]]
 
     def _muon_group(self, module_params, options: dict, index: int) -> dict:
         options = _only(options, _MUON_KEYS, index, "Muon")
@@ -195,7 +198,7 @@ class Muon(torch.optim.Optimizer):
         wanted = {p._dmuon_dedicated for p in module_params}
         masters = [t for fqn, t in self._state.owned_params.items()
                    if self._state.plan.params[fqn].param in wanted]
-        return {**options, "params": masters, "kind": "muon"}
+        return {**options, "params": masters, "kind": "muon", "use_muon": True}
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, and every gradient DMuon holds for the

@@ -8,6 +8,7 @@ which is the global rank on a row-major (replicate, shard) mesh.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -192,18 +193,22 @@ class DedicationPlan(Mapping):
 
 
 def select_params(model: nn.Module, predicate) -> list[tuple[str, nn.Parameter]]:
-    """The Muon-target params in registration order; refuses non-matrix tensors by name."""
-    selected = []
+    """The Muon-target params in registration order. A non-matrix tensor the predicate
+    selects (a bias or a norm caught by ``"proj" in n``) is left to AdamW, as the
+    reference does, with one warning that names every such param."""
+    selected, left = [], []
     for name, param in model.named_parameters():
         if not predicate(name, param):
             continue
-        if param.ndim not in (2, 3):
-            raise ValueError(
-                f"predicate selected '{name}' with shape {tuple(param.shape)}: DMuon "
-                "orthogonalises 2-D matrices (and 3-D (experts, out, in) stacks) only; "
-                "exclude it from the predicate so AdamW handles it"
-            )
-        selected.append((name, param))
+        if param.ndim in (2, 3):
+            selected.append((name, param))
+        else:
+            left.append(f"'{name}' {tuple(param.shape)}")
+    if left:
+        warnings.warn(
+            f"predicate selected {len(left)} non-matrix params, which go to AdamW (DMuon "
+            f"orthogonalises 2-D matrices and 3-D (experts, out, in) stacks only): "
+            f"{', '.join(left)}", UserWarning, stacklevel=4)
     return selected
 
 

@@ -56,6 +56,7 @@ class DMuonState:
         self.in_backward = False
         self.needs_init = False
         self.mp_policy = None
+        self.own_mp_policy = False  # given to dedicate_params: fully_shard's is FSDP2's alone
         self.optimizer_attached = False
         self.memory_trace: list[tuple[str, int]] | None = None
         self.model = lambda: None  # a weak reference to the dedicated model, once attached
@@ -170,7 +171,11 @@ class DMuonState:
             h.reset()
 
     def adopt_mp_policy(self, policy) -> None:
-        """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy per model."""
+        """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy for both kinds
+        of params, unless ``dedicate_params`` was given DMuon's own (the reference's
+        ``compute_dtype`` beside FSDP2's ``mp_policy``)."""
+        if self.own_mp_policy:
+            return
         if self.mp_policy is not None:
             if self.mp_policy != policy:
                 raise ValueError(f"fully_shard(mp_policy={policy}) differs from DMuon's "
@@ -294,6 +299,16 @@ def wait_all_reduces(model: nn.Module) -> None:
     """Every gradient reduced and landed in its owner's master ``.grad`` (``step()`` and
     ``clip_grad_norm_`` do this themselves)."""
     get_state(model).finish_gradient_sync()
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """HSDP: every replicate all-gather ``step()`` left in flight (``replicate_async``)
+    has landed, so each replica holds its owners' new values (on CUDA the current stream
+    waits for them). The next forward and every state-dict call wait by themselves."""
+    get_state(model).drain()
+
+
+wait_all_post_step_broadcasts = wait_all_replicate_broadcasts  # the reference's other name
 
 
 def is_dedicated(param: nn.Parameter) -> bool:

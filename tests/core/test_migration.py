@@ -92,13 +92,28 @@ def _muon_group_checks(rank, world):
     dmuon.fully_shard(model, mesh=mesh)
     adamw = lambda o: next(g for g in o.param_groups if g["kind"] == "adamw")  # noqa: E731
     muon = lambda o: next(g for g in o.param_groups if g["kind"] == "muon")  # noqa: E731
-    return {
+    return {**_reduce_dtypes(mesh),
         "adamw_betas": adamw(dmuon.Muon(model, adamw_betas=(0.9, 0.999)))["betas"],
         "adamw_weight_decay": adamw(dmuon.Muon(model, adamw_weight_decay=0.01))["weight_decay"],
         "adjust_lr": muon(dmuon.Muon(model, adjust_lr_fn="match_rms_adamw"))["adjust_lr_fn"],
         "ns_coefficients": muon(dmuon.Muon(
             model, ns_coefficients=dmuon.POLAR_EXPRESS_COEFFICIENTS))["ns_coefficients"],
     }
+
+
+def _reduce_dtypes(mesh) -> dict:
+    """The dtype DMuon reduces gradients in, with compute_dtype and with the line's policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    bf16 = torch.bfloat16
+    out = {}
+    for key, dtype in {"compute_dtype": dict(compute_dtype=bf16), "compute_dtype_reduce": dict(
+            mp_policy=MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16))}.items():
+        model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8))
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.ndim == 2, hook_boundary_strict=False,
+                              **dtype)
+        out[key] = [(b.param_dtype, b.reduce_dtype) for b in dmuon.get_state(model).boundaries]
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +149,9 @@ def _default_checks(lines) -> dict:
             nn.Sequential(nn.Linear(4, 4)), hook_boundary_strict=False).params["0.weight"]
         .boundary == "0",
         "nested_layers": _nested_layers,
+        "compute_dtype_reduce": lambda: lines["compute_dtype"] == [(torch.bfloat16,
+                                                                     torch.float32)]
+        and lines["compute_dtype_reduce"] == [(torch.bfloat16, torch.bfloat16)],
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections import defaultdict
 
 import pytest
@@ -97,9 +98,18 @@ class _Toy(nn.Module):
         self.head = nn.Linear(4, 4)
 
 
-def test_non_matrix_selected_names_the_param():
-    with pytest.raises(ValueError, match=r"'layers\.0\.bias'.*\(4,\)"):
-        dmuon.partition(_Toy(), predicate=lambda n, p: n.startswith("layers"), shard_size=2)
+def test_non_matrix_selected_goes_to_adamw_with_one_warning_naming_each():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = dmuon.partition(_Toy(), predicate=lambda n, p: n.startswith("layers"),
+                               shard_size=2)
+    assert sorted(plan.params) == ["layers.0.weight", "layers.1.weight"]
+    assert [w.category for w in caught] == [UserWarning]
+    assert re.search(r"2 non-matrix params, which go to AdamW .*: 'layers\.0\.bias' \(4,\), "
+                     r"'layers\.1\.bias' \(4,\)$", str(caught[0].message))
+    assert caught[0].filename == __file__  # it points at the caller's line
+    with pytest.raises(ValueError, match="selected no parameters"), pytest.warns(UserWarning):
+        dmuon.partition(_Toy(), predicate=lambda n, p: n.endswith("bias"), shard_size=2)
 
 
 def test_param_without_boundary_strict_names_it():

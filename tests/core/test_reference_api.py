@@ -8,7 +8,8 @@ what every rank actually holds):
   averaged and clipped gradients, on Z3 and HSDP 2x2 (the two reduce paths);
 - ``ns_backend="direct"`` and ``Muon(model, param_groups=[named groups])`` against
   torch.optim.Muon + AdamW over 10 steps;
-- ``compute_dtype`` as the mixed-precision policy it names;
+- ``compute_dtype`` as the mixed-precision policy it names (bf16 compute, reduce in the
+  params' own dtype), beside a different ``fully_shard`` policy;
 - the DDP composition (``dedicate_params_ddp`` + ``replicate``) against the float64
   reference, with its bytes per step equal to the formula the docs state.
 """
@@ -134,10 +135,12 @@ def _refusals(model, opt):
 def _compute_dtype(rank, world, use_compute_dtype: bool):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)  # FSDP2's: reduces in bf16
+    # DMuon's own, as compute_dtype names it: bf16 compute, the fp32 params' reduce
+    named = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     model = build_model(get_config("tiny"), dtype=torch.float32, seed=0)
-    dtype = dict(compute_dtype=torch.bfloat16) if use_compute_dtype else dict(mp_policy=policy)
+    dtype = dict(compute_dtype=torch.bfloat16) if use_compute_dtype else dict(mp_policy=named)
     dmuon.dedicate_params(model, mesh, muon_predicate, **dtype)
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=mesh, mp_policy=policy)
