@@ -86,7 +86,10 @@ def init_rule(source: ModelSource, model: nn.Module):
 def logits_of(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Logits ``[B, T, V]`` for token ids ``[B, T]`` whatever the model returns."""
     if hasattr(model, "_init_weights") and hasattr(model, "config"):  # Hugging Face
-        return model(input_ids=tokens, use_cache=False).logits
+        # positions given: under sequence parallel the embedding's output is one
+        # sequence shard, from which the model would count positions 0..T/tp
+        positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+        return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
     out = model(tokens)
     return out.logits if hasattr(out, "logits") else out
 

@@ -1,0 +1,146 @@
+"""The service's tensor-parallel plans (service/models/tp.py), sequence parallel on the
+norms: the built-in model, HF Llama and HF Qwen3 on 4 gloo ranks as 1 x 2 x 2 and
+2 x 1 x 2, built on meta and materialised, ten float64 steps against one process running
+torch.optim.Muon (float64 NS) + AdamW on the whole batch; and the degrees that cannot
+split a model, refused by the module's name."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from _train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns
+
+import dmuon
+from dmuon.testing import run
+from service.models import builtin
+from service.models.build import logits_of
+from service.models.tp import apply_tp, check_tp_degree, tp_plan
+
+STEPS, ROWS, SEQ, SEED = 6, 8, 16, 3
+HF = {"llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, use_cache=False),
+      "qwen3": dict(vocab_size=256, hidden_size=64, intermediate_size=128, head_dim=16,
+                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=64, use_cache=False, tie_word_embeddings=False)}
+BUILTIN = builtin.ModelConfig(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                              ffn_dim=128, max_seq_len=64)
+CASES = {"builtin-1x2x2": ("builtin", (1, 2, 2)), "llama-2x1x2": ("llama", (2, 1, 2)),
+         "qwen3-1x2x2": ("qwen3", (1, 2, 2))}
+
+
+def predicate(name, p):
+    return ".layers." in name and p.ndim == 2
+
+
+def make(kind: str, device=None):
+    if kind == "builtin":
+        return builtin.build_model(BUILTIN, dtype=torch.float64, device=device or "cpu",
+                                   seed=None if device == "meta" else SEED)
+    import transformers
+
+    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[kind]
+    config = cls.config_class(**HF[kind])
+    if device == "meta":
+        with torch.device("meta"):
+            return cls._from_config(config, dtype=torch.float64)
+    model = cls._from_config(config, dtype=torch.float64)
+    dmuon.init_weights(model, seed=SEED, init_fn=model._init_weights)
+    return model
+
+
+def init_fn(kind, model):
+    return builtin.init_builtin if kind == "builtin" else model._init_weights
+
+
+def batches():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 256, (ROWS, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+def loss_of(model, tokens):
+    logits = logits_of(model, tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+def train(rank, world, kind, layout):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", layout, mesh_dim_names=("replicate", "shard", "tp"))
+    model = make(kind, "meta")
+    apply_tp(model, mesh["tp"])
+    dmuon.dedicate_params(model, mesh["shard"], predicate, replicate_mesh=mesh["replicate"])
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=mesh["replicate", "shard"])
+    dmuon.fully_shard(model, mesh=mesh["replicate", "shard"])
+    dmuon.materialize(model, seed=SEED, init_fn=init_fn(kind, model))
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
+    dp, per = r * layout[1] + s, ROWS // (layout[0] * layout[1])
+    for tokens in batches():
+        loss_of(model, tokens[dp * per:(dp + 1) * per]).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"final": dmuon.full_state_dict(model),
+            "ledger": dmuon.get_ledger(model).last_step_by_phase()}
+
+
+@functools.cache
+def reference(kind):
+    model = make(kind)
+    muon = [p for n, p in model.named_parameters() if predicate(n, p)]
+    others = [p for n, p in model.named_parameters() if not predicate(n, p)]
+    h = HPARAMS
+    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
+                             momentum=h["momentum"], nesterov=h["nesterov"]),
+            torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
+                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
+    with reference_ns(fp64_newton_schulz):
+        for tokens in batches():
+            loss_of(model, tokens).backward()
+            for o in opts:
+                o.step()
+            for sch in scheds:
+                sch.step()
+            for o in opts:
+                o.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp_plan_with_sequence_parallel_matches_float64_reference(case):
+    kind, layout = CASES[case]
+    ref = reference(kind)
+    for res in run(train, kind, layout, world_size=layout[0] * layout[1] * layout[2]):
+        for key, value in ref.items():
+            err = ((res["final"][key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (case, key, err)
+        tp = res["ledger"]["tp"]
+        # sequence parallel: all-gathers and reduce-scatters of activations both ways
+        assert tp["forward"] > 0 and tp["backward"] > 0 and tp["step"] > 0
+
+
+def test_degrees_that_cannot_split_the_model_are_refused_by_module():
+    llama = make("llama", "meta")
+    with pytest.raises(ValueError, match=r"tp = 3 does not divide the 4 attention heads of "
+                                         r"'model.layers.0.self_attn.q_proj'"):
+        check_tp_degree(llama, 3)
+    with pytest.raises(ValueError, match=r"tp = 4 does not divide the 2 KV heads of "
+                                         r"'model.layers.0.self_attn.k_proj'"):
+        check_tp_degree(llama, 4)
+    check_tp_degree(llama, 2)
+
+    class Plain(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(4, 4)
+
+    assert tp_plan(Plain()) is None
+    with pytest.raises(ValueError, match="no tensor-parallel plan for Plain"):
+        check_tp_degree(Plain(), 2)
