@@ -42,15 +42,50 @@ def _model_of(model_or_optimizer) -> nn.Module:
     return model
 
 
+def _tp_sharded(g) -> bool:
+    """Whether an FSDP2 gradient is also split by tensor parallelism (its ``tp`` dim)."""
+    names = getattr(getattr(g, "device_mesh", None), "mesh_dim_names", None) or ()
+    return "tp" in names and g.placements[names.index("tp")].is_shard()
+
+
+def _tp_group(state):
+    """The TP group of the model's dedicated shards and its size (None, 1 without TP)."""
+    tp = next((m.tp for b in state.boundaries for m in b.members if m.tp is not None), None)
+    return (tp.group, tp.size) if tp is not None else (None, 1)
+
+
+def _squares(state, model, acc) -> torch.Tensor:
+    """Summed squares of [owned TP shards, owned whole, FSDP2 TP-split, FSDP2 rest]:
+    the first and third are parts of a matrix split over the TP group, the others
+    copies its T ranks all hold."""
+    sq = torch.zeros(4, dtype=acc, device=state.ctx.device)
+    for b in state.boundaries:
+        for m in b.owned:
+            g = b.masters[m.fqn].grad
+            if g is not None:
+                sq[0 if m.tp is not None else 1] += g.to(acc).pow(2).sum()
+    for p in model.parameters():
+        if not is_dedicated(p) and p.grad is not None:
+            local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            sq[2 if _tp_sharded(p.grad) else 3] += local.to(acc).pow(2).sum()
+    return sq
+
+
+def _gradients(state, model) -> list[torch.Tensor]:
+    owned = [p.grad for p in state.owned_params.values() if p.grad is not None]
+    sharded = [p.grad for p in model.parameters() if not is_dedicated(p) and p.grad is not None]
+    return owned + [g.to_local() if hasattr(g, "to_local") else g for g in sharded]
+
+
 @torch.no_grad()
 def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False, eps: float = 1e-6) -> torch.Tensor:
     """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
     alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
-
-    Collective. Owned gradients live on exactly one rank; FSDP2 gradients are sharded on
-    the shard dim and replicated on the replicate dim, so their squares are divided by R
-    before the sum over all R x N ranks.
+    Collective. Owned gradients live on one data-parallel coordinate; FSDP2 gradients
+    are sharded on the shard dim and replicated on the replicate dim, so their squares
+    are divided by R before the sum over all R x N coordinates; under tensor parallelism
+    TP shards are summed over the TP group and what its T ranks all hold counts once.
     """
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; the "
@@ -58,24 +93,21 @@ def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2
     model = _model_of(model_or_optimizer)
     state = get_state(model)
     state.finish_gradient_sync()
-    owned = [p.grad for p in state.owned_params.values() if p.grad is not None]
-    sharded = [p.grad for p in model.parameters() if not is_dedicated(p) and p.grad is not None]
-    local = [g.to_local() if hasattr(g, "to_local") else g for g in sharded]
-    ctx = state.ctx
+    grads, ctx = _gradients(state, model), state.ctx
     # squares summed in at least fp32 (bf16 gradients under mixed precision)
-    acc = torch.float64 if any(g.dtype == torch.float64 for g in owned + local) else torch.float32
-    sq = torch.zeros(2, dtype=acc, device=ctx.device)
-    for i, grads in enumerate((owned, local)):
-        for g in grads:
-            sq[i] += g.to(acc).pow(2).sum()
+    acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
+    sq = _squares(state, model, acc)
     comm.wait(comm.all_reduce_sum(sq, ctx.reduce_group, ctx.ledger, "shard", "step"))
     if ctx.replicate_size > 1:
         comm.wait(comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step"))
-    total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
+    tp_group, T = _tp_group(state)
+    if tp_group is not None:
+        comm.wait(comm.all_reduce_sum(sq, tp_group, ctx.ledger, "tp", "step"))
+    total = (sq[0] + sq[1] / T + (sq[2] + sq[3] / T) / ctx.replicate_size).sqrt()
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
     coef = float(max_norm) / (total.item() + eps)
     if coef < 1 and math.isfinite(coef):
-        for g in owned + local:
+        for g in grads:
             g.mul_(coef)
     return total

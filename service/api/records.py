@@ -61,8 +61,10 @@ class StepRecord(BaseModel):
     memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)
     rss_bytes: Count | None = None
     time: Number = None
-    coord: tuple[Count, Count] | None = Field(None, strict=False)
-    layout: tuple[Count, Count] | None = Field(None, strict=False)  # R x N of this run
+    # (r, s), or (r, s, t) under tensor parallelism
+    coord: tuple[Count, Count] | tuple[Count, Count, Count] | None = Field(None, strict=False)
+    # R x N (x T) of this run
+    layout: tuple[Count, Count] | tuple[Count, Count, Count] | None = Field(None, strict=False)
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)

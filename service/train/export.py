@@ -73,8 +73,19 @@ def _sharded_entry(key: str, param, mesh, rank: int) -> Entry:
     return entry
 
 
+def _gathered_entries(model: nn.Module, rank: int) -> list[Entry]:
+    """Under tensor parallelism: every param in full on rank 0 (``full_state_dict``,
+    collective), since a TP shard's parts lie on several ranks of several owners."""
+    full = dmuon.full_state_dict(model)
+    return [Entry(canonical_fqn(name), [Piece(0, full[name] if rank == 0 else None,
+                                              tuple(full[name].shape))])
+            for name, _ in model.named_parameters()]
+
+
 def _entries(model: nn.Module, mesh) -> list[Entry]:
     rank = dist.get_rank()
+    if "tp" in (mesh.mesh_dim_names or ()):
+        return _gathered_entries(model, rank)
     dedicated = _dedicated_entries(model, mesh, rank)
     entries = []
     for name, param in model.named_parameters():

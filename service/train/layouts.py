@@ -6,6 +6,7 @@ steps lost since it), carried by rank 0's first step record to the control plane
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -35,7 +36,7 @@ def last_layout(job_dir: str) -> list[int] | None:
 
 
 def _reason(previous: list[int], layout: list[int]) -> str:
-    before, now = previous[0] * previous[1], layout[0] * layout[1]
+    before, now = math.prod(previous), math.prod(layout)
     if now < before:
         return f"capacity lost: {before} -> {now} workers (a node or worker failed)"
     if now > before:
@@ -43,7 +44,7 @@ def _reason(previous: list[int], layout: list[int]) -> str:
     return f"restarted on the same {now} workers after a failure"
 
 
-def start_event(job_dir: str, layout: tuple[int, int], resumed_from: int) -> dict:
+def start_event(job_dir: str, layout: list[int], resumed_from: int) -> dict:
     """Append this start to the job's layouts and return its event."""
     path = os.path.join(job_dir, LAYOUTS_FILE)
     try:

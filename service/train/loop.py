@@ -19,6 +19,7 @@ from ..models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
 from ..models.builtin import causal_lm_loss
 from ..models.dtypes import DTYPES, muon_kwargs
 from ..models.source import BUILTIN
+from ..models.tp import apply_tp
 from ..plan.document import PlanDocument, partition_digest
 from ..plan.layout import batch_split
 from ..spec import JobSpec, parse_spec
@@ -54,15 +55,22 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     modes = run_modes(spec, plan, modes)
     prepared = prepare_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
     model, split = prepared.model, prepared.split
+    tp = tp_size(mesh)
+    if tp > 1:
+        if inputs["model"].weights:
+            raise ValueError("model.weights with layout.tp > 1: loading weights into "
+                             "tensor-parallel shards is not supported yet")
+        apply_tp(model, mesh["tp"])  # TP first, as torchtitan orders it
     compile_blocks(spec, model, prepared.blocks)
     hsdp = mesh["replicate"].size() > 1
+    dp_mesh = mesh["replicate", "shard"] if tp > 1 else mesh
     policy = recipe.mp_policy(spec)
     dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
                           hook_boundary_predicate=split.boundary_predicate(model),
                           plan=plan.partition if plan is not None else None)
-    fsdp = {"mesh": mesh if hsdp else mesh["shard"],
+    fsdp = {"mesh": dp_mesh if hsdp else mesh["shard"],
             "reshard_after_forward": modes["fsdp"] == "z3",
             **({"mp_policy": policy} if policy is not None else {})}
     for fqn in split.fsdp_units:
@@ -142,9 +150,16 @@ class NonfiniteSteps:
                 f"{self.last_good or 'none (no checkpoint committed yet)'}")
 
 
-def _layout(mesh: DeviceMesh) -> tuple[int, int, int, int]:
-    r, s = mesh["replicate"].get_local_rank(), mesh["shard"].get_local_rank()
-    return r, s, r * mesh["shard"].size() + s, dist.get_world_size()
+def tp_size(mesh: DeviceMesh) -> int:
+    return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+
+
+def _layout(mesh: DeviceMesh) -> tuple[list[int], list[int], int, int]:
+    """(this rank's coordinate, the layout, data-parallel rank, data-parallel size): the
+    T ranks of a tensor-parallel group share one data-parallel rank."""
+    dims = mesh.mesh_dim_names
+    coord, layout = [mesh[d].get_local_rank() for d in dims], [mesh[d].size() for d in dims]
+    return coord, layout, coord[0] * layout[1] + coord[1], layout[0] * layout[1]
 
 
 def _throughput(model, spec: JobSpec, split, dp_size: int, batch: tuple[int, int]):
@@ -173,7 +188,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     model, opt, split = build_training(spec, mesh, inputs, modes, plan)
     digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
-    r, s, dp_rank, dp_size = _layout(mesh)
+    coord, layout, dp_rank, dp_size = _layout(mesh)
     batch = batch_split(spec, dp_size)
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
@@ -182,7 +197,6 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
-    layout = [mesh["replicate"].size(), mesh["shard"].size()]
     event = layouts.start_event(job_dir, layout, start) if job_dir and rank == 0 else None
     if export_only:
         return _export_only(model, spec, inputs["model"], mesh, export_dir,
@@ -196,7 +210,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
-        record.update(coord=[r, s], layout=layout, resumed_from=start,
+        record.update(coord=coord, layout=layout, resumed_from=start,
                       partition_digest=digest, layout_event=event,
                       node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
         event = None

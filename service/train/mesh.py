@@ -1,4 +1,5 @@
-"""The worker's device and the (replicate, shard) mesh over Ray Train's process group.
+"""The worker's device and the (replicate, shard[, tp]) mesh over Ray Train's process
+group.
 
 Ray Train has set up the process group (gloo on CPUs, NCCL on GPUs); this never calls
 ``init_process_group``. World ranks are grouped by Ray node id, gathered from every
@@ -35,11 +36,27 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_mesh(replicate: int, shard: int) -> tuple[DeviceMesh, list[str]]:
+def tp_groups(rows: list[list[int]], tp: int, node_ids: list[str]) -> torch.Tensor:
+    """The (replicate, shard, tp) grid: each row's ranks in groups of ``tp``, each group
+    on one node (its activation collectives run over the node's NVLink, never between
+    hosts)."""
+    grid = torch.tensor(rows).reshape(len(rows), -1, tp)
+    for group in grid.reshape(-1, tp).tolist():
+        if len({node_ids[r] for r in group}) > 1:
+            raise ValueError(f"tensor-parallel group of ranks {group} spans nodes: "
+                             "layout.tp must divide the workers of every node")
+    return grid
+
+
+def build_mesh(replicate: int, shard: int, tp: int = 1) -> tuple[DeviceMesh, list[str]]:
+    """The (replicate, shard) mesh, or (replicate, shard, tp) with ``tp > 1``."""
     import ray
 
     node_ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
-    rows = mesh_rows(node_ids, replicate, shard)
-    mesh = DeviceMesh(device().type, torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
-    return mesh, node_ids
+    rows = mesh_rows(node_ids, replicate, shard * tp)
+    if tp == 1:
+        return DeviceMesh(device().type, torch.tensor(rows),
+                          mesh_dim_names=("replicate", "shard")), node_ids
+    return DeviceMesh(device().type, tp_groups(rows, tp, node_ids),
+                      mesh_dim_names=("replicate", "shard", "tp")), node_ids

@@ -1,0 +1,50 @@
+"""The service's training loop on a (replicate, shard, tp) mesh: an HF Llama job (the
+recipe of tests/_hf_reference.py: clipping, warm-up and cosine schedule) on 4 gloo
+ranks as 1 x 2 x 2, sequence parallel on the norms, against the float64 one-process
+reference; its export loads with transformers' from_pretrained and holds the trained
+tensors."""
+
+from __future__ import annotations
+
+import torch
+from _hf_reference import LLAMA, RECIPE, reference_run
+
+from dmuon.testing import run
+
+LAYOUT = (1, 2, 2)
+SPEC = {**RECIPE, "layout": {"replicate": 1, "shard": 2},
+        "model": {"hf_arch": LLAMA["architectures"][0], "config": LLAMA}}
+
+
+def _train(rank, world, root):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from service.inputs import resolve_inputs
+    from service.spec import parse_spec
+    from service.train.loop import run_training
+
+    spec = parse_spec(SPEC)
+    mesh = init_device_mesh("cpu", LAYOUT, mesh_dim_names=("replicate", "shard", "tp"))
+    records = []
+    model = run_training(spec, mesh, report=lambda record, path: records.append(record),
+                         inputs=resolve_inputs(spec, root), export_dir=f"{root}/export")
+    return dmuon.full_state_dict(model), records
+
+
+def test_llama_job_on_1x2x2_matches_reference_and_exports(tmp_path):
+    import transformers
+
+    results = run(_train, str(tmp_path), world_size=4)
+    ref = reference_run(LLAMA, world=LAYOUT[0] * LAYOUT[1])
+    for rank, (final, records) in enumerate(results):
+        for key, value in ref.items():
+            err = ((final[key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (rank, key, err)
+        assert records[-1]["layout"] == list(LAYOUT)
+        assert records[-1]["coord"] == [0, rank // 2, rank % 2]
+        assert records[-1]["bytes"]  # the ledger's bytes, tp included
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export",
+                                                               dtype=torch.float64)
+    for name, tensor in loaded.state_dict().items():
+        assert torch.equal(tensor, results[0][0][name]), name
