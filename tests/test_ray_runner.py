@@ -1,7 +1,9 @@
 """The Ray Train runner on real Ray: a local head on 127.0.0.1 (our own process group) and
 a simulated 2-node cluster; TorchTrainer, fault recovery and ``ray job submit``. The jobs
 read token shards that ``dmuon-svc prepare`` made from a JSONL corpus (the standard
-library's sources) with a byte-level BPE tokenizer this module trains."""
+library's sources) with a byte-level BPE tokenizer this module trains. The baseline job
+also logs to a real ``mlflow server`` and to an offline W&B run, read back next to a real
+``tensorboard`` process's HTTP API."""
 
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 from _faults import installed
-from _tensorboard import event_files, scalars
+from _tensorboard import TensorBoard, event_files, scalars
+from _tracking import MlflowServer, mlflow_run, wandb_run
 
 from service.cluster import RAY, LocalRayHead
 from service.spec import parse_spec
@@ -96,12 +99,12 @@ def _tensorboard_loss(storage, job_id):
     return [(s, v) for s, v, _ in got["loss"]], expect
 
 
-def _run(storage, data_root, job_id, fault=None):
+def _run(storage, data_root, job_id, fault=None, spec=SPEC):
     from service.inputs import resolve_inputs
     from service.train.entrypoint import run_job
 
     params = os.path.join(storage, f"{job_id}.params.pt")
-    spec = parse_spec(SPEC)
+    spec = parse_spec(spec)
     inputs = resolve_inputs(spec, data_root)
     assert len(inputs["data"]["train"]) > 1  # several shards, memory-mapped
     with installed(fault) if fault else contextlib.nullcontext():
@@ -110,8 +113,18 @@ def _run(storage, data_root, job_id, fault=None):
 
 
 @pytest.fixture(scope="module")
-def baseline(head, storage, data_root):
-    return _run(storage, data_root, "baseline")
+def mlflow_server(tmp_path_factory):
+    """Started here, waited for by the baseline: it boots while Ray's head does."""
+    server = MlflowServer(str(tmp_path_factory.mktemp("mlflow")))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(mlflow_server, head, storage, data_root):
+    metrics = {"mlflow": {"tracking_uri": mlflow_server.wait().url},
+               "wandb": {"mode": "offline"}}
+    return _run(storage, data_root, "baseline", spec={**SPEC, "metrics": metrics})
 
 
 def test_trainer_learns_and_reports_every_rank(baseline, storage):
@@ -129,6 +142,25 @@ def test_trainer_learns_and_reports_every_rank(baseline, storage):
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
     got, expect = _tensorboard_loss(storage, "baseline")  # the controller's event file
     assert got == expect and [s for s, _ in got] == steps
+
+
+def test_tensorboard_mlflow_and_wandb_hold_every_steps_loss(baseline, storage,
+                                                            mlflow_server):
+    """The documented ``tensorboard --logdir <storage>`` serves the job's loss, every step
+    (float32, as TensorBoard keeps scalars); the MLflow server and the W&B offline run
+    hold the same mean over ranks of the first complete set of each step's records in
+    ``metrics.jsonl``, in float64 exactly."""
+    first: dict[int, dict[int, float]] = {}
+    for rec in _records(storage, "baseline"):
+        first.setdefault(rec["step"], {}).setdefault(rec["rank"], rec["loss"])
+    assert sorted(first) == list(range(1, 9)) and all(len(r) == 4 for r in first.values())
+    loss = [(s, math.fsum(first[s].values()) / 4) for s in sorted(first)]
+    with TensorBoard(storage) as tensorboard:
+        served = tensorboard.scalars("baseline/tensorboard", "loss", steps=8)
+    assert served == [(s, float(np.float32(v))) for s, v in loss]
+    run, history = mlflow_run(mlflow_server.url, "baseline")
+    assert history["loss"] == loss and run.info.status == "FINISHED"
+    assert wandb_run(os.path.join(storage, "baseline"))[1]["loss"] == loss
 
 
 def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_root):

@@ -4,8 +4,9 @@ Paths in a spec are relative to the data root. ``resolve_inputs`` turns them int
 absolute paths (the workers get them in their config) and refuses, with the field
 path, what cannot run: a path that does not exist or cannot be read, a glob that
 matches nothing, an empty data set or one too short for ``seq_len``, a ``seq_len``
-beyond the model's ``max_position_embeddings``, and token ids beyond the model's
-vocabulary. Torch-free: the control plane runs it on submission, the entrypoint again.
+beyond the model's ``max_position_embeddings``, token ids beyond the model's
+vocabulary, and a tracking sink whose package is not installed (``sinks``).
+Torch-free: the control plane runs it on submission, the entrypoint again.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from ..models.source import ModelSource
 from ..spec import MAX_DATA_BYTES, JobSpec, SpecError
 from ..spec.model import builtin_config
 from .shards import ShardError, describe, match, max_token, split_part, window_count
+from .sinks import check_sink_packages
 
 BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
 META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
@@ -215,6 +217,7 @@ def resolve_inputs(spec: JobSpec, data_root: str, storage: str | None = None) ->
     """``{"model": ..., "data": ..., "resume_from": ...}`` with absolute paths, or
     SpecError naming the field. ``storage``: the job directories' root (job ids in
     ``checkpoint.resume_from``)."""
+    check_sink_packages(spec)
     model, model_vocab = resolve_model(spec, data_root)
     data = resolve_data(spec, data_root)
     if model_vocab is not None and data["vocab"] > model_vocab:

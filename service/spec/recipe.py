@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from .tracking import MlflowSpec, WandbSpec
 from .types import DtypeName, Regex, StrictModel, text
 
 JOB_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # the store's ids (service.api.guard.JOB_ID)
@@ -117,6 +118,18 @@ class MetricsSpec(StrictModel):
                                         "bf16 peak when known; none on CPUs)")
     tensorboard: bool = Field(True, description="per-step scalars as TensorBoard event "
                                                 "files under <storage>/<job>/tensorboard")
+    mlflow: MlflowSpec | None = Field(None, description="the same scalars to an MLflow run")
+    wandb: WandbSpec | None = Field(None, description="the same scalars to a W&B run")
+
+    @field_validator("wandb", mode="before")
+    @classmethod
+    def _wandb_shorthand(cls, v: Any):
+        # `wandb: true` is W&B with the defaults, `wandb: false` none
+        return ({} if v else None) if isinstance(v, bool) else v
+
+    def sinks(self) -> list[str]:
+        """The sinks this spec turns on, by field name."""
+        return [name for name in ("tensorboard", "mlflow", "wandb") if getattr(self, name)]
 
 
 class DMuonSpec(StrictModel):

@@ -8,27 +8,20 @@ ranks' records for that step have arrived; a step is written once (the first com
 set, as the store keeps the first record of a (job, step, rank)), so the steps a
 restarted worker group reports again are not drawn twice.
 
-Sinks: ``TensorBoardSink`` (tensorboardX's event writer, locked) under
-``<job_dir>/tensorboard/``, on unless the spec says ``metrics: {tensorboard: false}``.
-Weights & Biases and MLflow are not installed here (neither is in requirements.lock):
-a sink for either is a class with ``log(step, scalars, walltime)`` and ``close()``
-(``wandb.log(scalars, step=step)``, ``mlflow.log_metrics(scalars, step=step)``), added
-in ``sinks_for`` when its package imports and its own environment configures it
-(``WANDB_*``, ``MLFLOW_TRACKING_URI``): credentials stay in the environment, never in
-the spec or the logs.
+Sinks (``service.train.sinks``): TensorBoard event files under
+``<job_dir>/tensorboard/`` (on unless the spec says ``metrics: {tensorboard: false}``),
+an MLflow run (``metrics.mlflow``) and a W&B run (``metrics.wandb``), each given the same
+scalars. A sink that fails is reported on the job's log and dropped; training goes on.
 """
 
 from __future__ import annotations
 
 import atexit
-import os
-import time
-import uuid
 from statistics import fmean
 
 from ray.train.v2.api.callback import UserCallback
 
-TENSORBOARD_DIR = "tensorboard"
+from .sinks import dropped, sinks_for
 
 
 def step_scalars(records: list[dict]) -> dict[str, float]:
@@ -77,61 +70,28 @@ class StepAggregator:
                 self.written.add(step)
                 done.append(step)
                 self._log(step, list(ranks.values()))
-        for sink in self.sinks:
-            sink.flush()
+        self.each("could not flush", lambda sink: sink.flush())
         return done
 
     def _log(self, step: int, records: list[dict]) -> None:
         scalars = step_scalars(records)
         walltime = max((r["time"] for r in records if r.get("time") is not None),
                        default=None)
-        for sink in self.sinks:
-            sink.log(step, scalars, walltime)
+        self.each(f"could not log step {step}", lambda sink: sink.log(step, scalars,
+                                                                       walltime))
 
-    def close(self) -> None:
-        for sink in self.sinks:
-            sink.close()
+    def each(self, what: str, call) -> None:
+        """``call(sink)`` for every sink; one that raises is reported and dropped."""
+        for sink in list(self.sinks):
+            try:
+                call(sink)
+            except Exception as e:  # any failure of a tool's client
+                dropped(sink.name, what, e)
+                self.sinks.remove(sink)
 
-
-class TensorBoardSink:
-    """One event file under ``log_dir``, written synchronously with tensorboardX's
-    ``EventsWriter`` (its ``SummaryWriter`` queues events for a thread that flushes
-    every ``flush_secs``: a step could sit unwritten in a process that ends abruptly).
-    After ``flush`` every step logged is on disk. The file's name carries the process
-    and a random tag, so a second writer in the same second never truncates it."""
-
-    def __init__(self, log_dir: str):
-        from tensorboardX.event_file_writer import EventsWriter
-
-        os.makedirs(log_dir, exist_ok=True)
-        self.writer = EventsWriter(os.path.join(log_dir, "events"),
-                                   f".{os.getpid()}.{uuid.uuid4().hex[:8]}")
-        self.closed = False
-
-    def log(self, step: int, scalars: dict[str, float], walltime: float | None) -> None:
-        from tensorboardX.proto.event_pb2 import Event
-        from tensorboardX.summary import scalar
-
-        if self.closed:
-            return
-        wall = time.time() if walltime is None else walltime
-        for tag, value in scalars.items():
-            self.writer.write_event(Event(wall_time=wall, step=step,
-                                          summary=scalar(tag, value)))
-
-    def flush(self) -> None:
-        if not self.closed:
-            self.writer.flush()
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.writer.close()
-
-
-def sinks_for(job_dir: str, tensorboard: bool = True) -> list:
-    """The job's sinks (the extension point for W&B and MLflow: see the module doc)."""
-    return [TensorBoardSink(os.path.join(job_dir, TENSORBOARD_DIR))] if tensorboard else []
+    def close(self, complete: bool = False) -> None:
+        """``complete``: the final step was written (else the job ended before it)."""
+        self.each("could not close", lambda sink: sink.close(complete))
 
 
 class TrackingCallback(UserCallback):
@@ -140,34 +100,31 @@ class TrackingCallback(UserCallback):
     complete step is on disk before the next report), and close on the final step, on
     a worker failure's flush, or at the controller's exit."""
 
-    def __init__(self, job_dir: str, world_size: int, final_step: int,
-                 tensorboard: bool = True):
-        self.job_dir, self.world_size, self.final_step = job_dir, world_size, final_step
-        self.tensorboard = tensorboard
+    def __init__(self, spec, job_dir: str, world_size: int):
+        self.metrics, self.spec = spec.metrics, spec.model_dump(mode="json")
+        self.job_dir, self.world_size, self.final_step = job_dir, world_size, spec.steps
         self.aggregator: StepAggregator | None = None
 
     def _open(self) -> StepAggregator:
         if self.aggregator is None:
-            self.aggregator = StepAggregator(self.world_size,
-                                             sinks_for(self.job_dir, self.tensorboard))
+            self.aggregator = StepAggregator(
+                self.world_size, sinks_for(self.metrics, self.job_dir, self.spec))
             atexit.register(self.aggregator.close)
         return self.aggregator
 
     def after_report(self, run_context, metrics, checkpoint):
         aggregator = self._open()
         if self.final_step in aggregator.add(list(metrics)):
-            aggregator.close()
+            aggregator.close(complete=True)
 
     def after_exception(self, run_context, worker_exceptions):
         if self.aggregator is not None:  # a restarted group reports on; keep it open
-            for sink in self.aggregator.sinks:
-                sink.flush()
+            self.aggregator.each("could not flush", lambda sink: sink.flush())
 
 
 def callbacks(spec, job_dir: str, world_size: int, export_only: bool = False) -> list:
     """The tracking callbacks for a training job (none for an export, none when the spec
     turns every sink off)."""
-    tensorboard = getattr(spec.metrics, "tensorboard", True)
-    if export_only or not tensorboard:
+    if export_only or not spec.metrics.sinks():
         return []
-    return [TrackingCallback(job_dir, world_size, spec.steps, tensorboard=tensorboard)]
+    return [TrackingCallback(spec, job_dir, world_size)]
