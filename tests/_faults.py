@@ -48,6 +48,7 @@ def faulty_loop(config: dict, fault: str) -> None:
         before_step(dist.get_rank(), metrics["step"] + 1, fault)
 
     ray.train.report = report_then_fault  # this worker process only
+    before_step(dist.get_rank(), 1, fault)  # a held job is RUNNING with no record yet
     train.train_loop_per_worker(config)
 
 

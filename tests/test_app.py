@@ -84,6 +84,53 @@ def test_pending_job_without_ray_can_be_cancelled(svc):
     assert svc.request("POST", "/v1/jobs/dmuon-nope/cancel")[0] == 404
 
 
+def test_registration_and_log_tails_are_validated_naming_the_field(svc):
+    """A `ray job submit` job's registration names what is wrong: a spec field, the
+    submission id's form, or (no Ray attached here) a submission this service cannot
+    follow; nothing is stored. A log tail is bounded and is not for a stream."""
+    before = svc.request("GET", "/v1/jobs?limit=10000")[1]
+    cases = [({"spec": {**TINY, "steps": 0}, "submission_id": "raysubmit_a"}, "spec.steps"),
+             ({"spec": TINY, "submission_id": "no spaces"}, "submission_id"),
+             ({"spec": TINY}, "submission_id"),
+             ({"spec": TINY, "submission_id": "raysubmit_a", "plan": {}}, "plan"),
+             ({"spec": TINY, "submission_id": "raysubmit_a"}, "submission_id")]
+    for body, field in cases:
+        status, answer = svc.request("POST", "/v1/jobs/register", body)
+        assert status == 422 and _fields(answer) == [field], (body, answer)
+    assert "no Ray cluster attached" in answer["detail"][0]["message"]
+    assert svc.request("GET", "/v1/jobs?limit=10000")[1] == before
+    logs = f"/v1/jobs/{_dry(svc)['id']}/logs"
+    for query in ("tail=0", "tail=100001", "tail=x", "tail=5&follow=true"):
+        status, answer = svc.request("GET", f"{logs}?{query}")
+        assert status == 422 and _fields(answer) == ["query.tail"], (query, answer)
+    assert svc.request("GET", f"{logs}?tail=5") == (200, "")  # a dry run has no log
+
+
+def test_an_entrypoint_registers_only_under_ray_job_submit(monkeypatch, capsys):
+    """DMUON_URL alone (no Ray submission id: not `ray job submit`) registers nothing and
+    says so; a submitted job with its own --plan is refused, not silently re-planned;
+    a job id from the control plane means it is the service's own job."""
+    import argparse
+    import json as _json
+
+    from service.train import register
+
+    args = argparse.Namespace(job_id=None, plan=None, metrics_url=None, plan_url=None)
+    monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")  # nothing listens: never asked
+    monkeypatch.delenv(register.JOB_CONFIG_ENV, raising=False)
+    assert register.register_if_submitted(args, None, "plan", "token") == ("plan", "token")
+    assert "not started by `ray job submit`" in capsys.readouterr().err
+    assert (args.job_id, args.metrics_url) == (None, None)
+    monkeypatch.setenv(register.JOB_CONFIG_ENV, _json.dumps(
+        {"metadata": {"job_submission_id": "raysubmit_x"}}))
+    assert register.submission_id() == "raysubmit_x"
+    with pytest.raises(register.RegistrationError, match="--plan with DMUON_URL"):
+        register.register_if_submitted(argparse.Namespace(**{**vars(args), "plan": "p"}),
+                                       None, None, None)
+    given = argparse.Namespace(**{**vars(args), "job_id": "dmuon-000000000000"})
+    assert register.register_if_submitted(given, None, "plan", None) == ("plan", None)
+
+
 def test_prometheus_counts_jobs_by_status(svc):
     status, text = svc.request("GET", "/metrics", token=False)
     counts = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("dmuon_"))

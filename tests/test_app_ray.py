@@ -1,8 +1,12 @@
 """End to end: real uvicorn on 127.0.0.1 starting its own local Ray head, jobs through
-Ray's job API, the dashboard in Debian's Chromium, and a SIGKILLed service restarting."""
+Ray's job API, the dashboard in Debian's Chromium (no MFU axis on CPUs, the log view, a
+job sent with the real `ray job submit` that registers itself and is listed, its
+building state, one colour per memory kind, cancel from the page), and a SIGKILLed
+service restarting."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,10 +18,12 @@ from _browser import ARTIFACTS, page_with_errors
 from _http import Service
 
 from service.cluster import STATE_FILE
+from service.failure import strip_ansi
 
 SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0}}
 WORLD = 4
+FAULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_faults.py")
 
 
 @pytest.fixture(scope="module")
@@ -26,8 +32,7 @@ def stack(tmp_path_factory):
     # RAY_ADDRESS unset: the service starts its own head
     holds = os.path.join(root, "holds")  # a job's ranks wait before step s while
     os.makedirs(holds)                      # holds/step_<s> exists
-    wrapper = [sys.executable, os.path.join(os.path.dirname(__file__), "_faults.py"),
-               "serve", f"hold:{holds}", "--"]
+    wrapper = [sys.executable, FAULTS, "serve", f"hold:{holds}", "--"]
     svc = Service(root, argv=wrapper, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD),
                   RAY_ADDRESS="")
     svc.holds = holds
@@ -55,31 +60,150 @@ def _points(page) -> int:
                          ".x.length")
 
 
-def _watch_dashboard(svc, job_id, held_step) -> None:
-    """The page while the job runs (held before ``held_step`` until the page shows every
-    step before it): one bar per rank for ownership and memory, a loss chart that
-    gains points, no console errors; a screenshot for people to look at."""
+@contextlib.contextmanager
+def _dashboard(svc, path="/"):
+    """The page with the admin token (cancel and the log view need it), failing on any
+    console error or failed request it made."""
     with page_with_errors() as (page, errors):
-        page.goto(f"{svc.url}/#job={job_id}")
-        page.wait_for_function(f"document.getElementById('loss-chart').data?.[0].x.length "
-                               f"== {held_step - 1}", timeout=180_000)
-        seen = _points(page)
-        assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "RUNNING"
-        os.remove(os.path.join(svc.holds, f"step_{held_step}"))
-        page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
-                               f"{seen}", timeout=60_000)
-        assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
-        assert "planned on\nthe cluster's 1 node" in page.locator("#job-facts").inner_text()
-        memory = page.evaluate("document.getElementById('memory-chart').data"
-                               ".map(t => new Set(t.x).size)")
-        assert memory and all(n == WORLD for n in memory)  # stacked kinds, a bar per rank
-        assert page.locator("#memory-chart .barlayer .trace").count() == len(memory)
-        os.makedirs(ARTIFACTS, exist_ok=True)
-        page.screenshot(path=os.path.join(ARTIFACTS, "dashboard.png"), full_page=True)
+        page.add_init_script(f"localStorage.setItem('dmuonToken', {json.dumps(svc.token)})")
+        page.goto(svc.url + path)
+        yield page
         assert errors == []
 
 
-def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stack):
+def _memory_colours(page) -> dict:
+    """{kind: the colour Plotly drew it in} of the memory chart as it stands."""
+    return dict(page.evaluate("document.getElementById('memory-chart')._fullData"
+                              ".map(t => [t.name, t.marker.color])"))
+
+
+def _watch_dashboard(page, svc, job_id, held_step) -> dict:
+    """The page while the job runs (held before ``held_step`` until the page shows every
+    step before it): one bar per rank for ownership and memory, a loss chart that
+    gains points, no MFU axis (a CPU job has no MFU); a screenshot for people to look
+    at. Returns the measured memory chart's colours."""
+    page.wait_for_function(f"document.getElementById('loss-chart').data?.[0]?.x.length "
+                           f"== {held_step - 1}", timeout=180_000)
+    seen = _points(page)
+    assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "RUNNING"
+    os.remove(os.path.join(svc.holds, f"step_{held_step}"))
+    page.wait_for_function(f"document.getElementById('loss-chart').data[0].x.length > "
+                           f"{seen}", timeout=60_000)
+    assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
+    assert "planned on\nthe cluster's 1 node" in page.locator("#job-facts").inner_text()
+    memory = page.evaluate("document.getElementById('memory-chart').data"
+                           ".map(t => new Set(t.x).size)")
+    assert memory and all(n == WORLD for n in memory)  # stacked kinds, a bar per rank
+    assert page.locator("#memory-chart .barlayer .trace").count() == len(memory)
+    assert page.locator("#memory-caption").inner_text().startswith(
+        "Memory per rank by kind (measured at step")
+    assert all(r["mfu"] is None for r in svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1])
+    throughput = page.evaluate("(() => { const gd = document.getElementById("
+                               "'throughput-chart'); return [gd.data.map(t => t.name), "
+                               "'yaxis2' in gd.layout, gd.querySelectorAll('.y2tick')"
+                               ".length, gd.querySelectorAll('.ytick').length]; })()")
+    assert throughput[:3] == [["tokens/s (all ranks)"], False, 0] and throughput[3] > 0
+    assert page.locator("#throughput-caption").inner_text() == \
+        "Throughput: tokens/s of all ranks"
+    os.makedirs(ARTIFACTS, exist_ok=True)
+    page.screenshot(path=os.path.join(ARTIFACTS, "dashboard.png"), full_page=True)
+    return _memory_colours(page)
+
+
+def _log_view_shows_the_tail(page, svc, job_id) -> None:
+    """The open log view holds the driver's log's last lines as ``GET .../logs`` has it
+    whole (escape codes aside), the entrypoint's summary near the end (Ray's own
+    lines may follow it)."""
+    page.locator("#log-view summary").click()
+    page.wait_for_function("document.getElementById('job-log').textContent"
+                           ".includes('\"summary\"')", timeout=60_000)
+    whole = svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
+    lines = strip_ansi(whole).rstrip("\n").split("\n")
+    shown = page.evaluate("document.getElementById('job-log').textContent").split("\n")
+    assert shown == lines[-200:] and any('"summary"' in line for line in shown[-20:])
+    assert svc.request("GET", f"/v1/jobs/{job_id}/logs?tail=3")[1] == \
+        "".join(line + "\n" for line in whole.rstrip("\n").split("\n")[-3:])
+
+
+def _send_with_ray_job_submit(svc, folder) -> str:
+    """The real ``ray job submit`` CLI against the service's head, with DMUON_URL and the
+    token in the job's env; its entrypoint runs under tests/_faults.py's holds (which
+    calls the entrypoint's ``main`` as it is). The submission id, once its entrypoint
+    has registered it."""
+    spec = os.path.join(folder, "by-ray.json")
+    with open(spec, "w") as fh:
+        json.dump({**SPEC, "name": "by-ray", "steps": 200}, fh)
+    submission = f"raysubmit-{os.getpid()}-{int(time.time())}"
+    env = {"env_vars": {"DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}}
+    sent = subprocess.run(
+        [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--no-wait",
+         "--address", f"http://127.0.0.1:{_head(svc)['dashboard_port']}", "--submission-id",
+         submission, "--runtime-env-json", json.dumps(env), "--", sys.executable, FAULTS,
+         "entrypoint", f"hold:{svc.holds}", "--", "--spec", spec],
+        capture_output=True, text=True, timeout=120)
+    assert sent.returncode == 0, sent.stdout + sent.stderr
+    deadline = time.time() + 120
+    while svc.request("GET", f"/v1/jobs/{submission}")[0] == 404 and time.time() < deadline:
+        time.sleep(0.5)
+    status, job = svc.request("GET", f"/v1/jobs/{submission}")
+    assert status == 200, f"{submission} never registered: {status} {job}"
+    assert (job["status"], job["name"], job["spec"]["steps"]) == ("RUNNING", "by-ray", 200)
+    assert job["history"][0]["message"] == "registered by its entrypoint (ray job submit)"
+    again = svc.request("POST", "/v1/jobs/register", {"spec": job["spec"],
+                                                      "submission_id": submission})
+    assert again[0] == 409 and submission in again[1]["detail"]
+    return submission
+
+
+def _building_then_cancel(page, svc, job_id, measured: dict) -> None:
+    """The registered job is listed; held before its first step, the page says it is
+    building, its metric charts draw no axes, its memory chart (the prediction) has the
+    measured chart's colours per kind. Released, its first step's records (posted with
+    the job token its registration got) reach the page; then the page's cancel button
+    stops it, on Ray too."""
+    row = page.locator(f"#jobs tbody tr[data-id='{job_id}']")
+    row.wait_for(timeout=30_000)
+    row.click()
+    page.wait_for_function("document.getElementById('job-phase').dataset.phase "
+                           "=== 'building'", timeout=60_000)
+    assert svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1] == []  # held: no record
+    assert page.locator("#job-phase").inner_text().startswith("building (")
+    charts = page.evaluate("['loss-chart', 'throughput-chart', 'steptime-chart'].map(id => {"
+                           "const gd = document.getElementById(id); return [gd.data.length,"
+                           " gd.layout.annotations[0].text, gd.querySelectorAll('.xtick, "
+                           ".ytick').length]; })")
+    assert charts == [[0, "waiting for the first step", 0]] * 3
+    assert page.locator("#memory-caption").inner_text().endswith("(predicted by the planner)")
+    predicted = _memory_colours(page)
+    assert predicted == measured and len(set(measured.values())) == len(measured)
+    page.screenshot(path=os.path.join(ARTIFACTS, "dashboard-building.png"), full_page=True)
+    os.remove(os.path.join(svc.holds, "step_1"))  # on to step 1; held before step 2
+    page.wait_for_function("document.getElementById('loss-chart').data?.[0]?.x.length "
+                           "=== 1", timeout=120_000)
+    assert page.locator("#job-phase").is_hidden()
+    keys = [(m["step"], m["rank"]) for m in svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1]]
+    assert keys == [(1, r) for r in range(WORLD)]
+    part = svc.request("GET", f"/v1/jobs/{job_id}/partition")[1]
+    assert part["inventory"] == {"source": "cluster", "nodes": 1} and len(part["ranks"]) == WORLD
+    page.once("dialog", lambda dialog: dialog.accept())
+    page.locator("#cancel-job").click()
+    page.wait_for_function("document.getElementById('job-title').dataset.status "
+                           "=== 'STOPPED'", timeout=30_000)
+    assert svc.request("GET", f"/v1/jobs/{job_id}")[1]["status"] == "STOPPED"
+    assert page.locator("#cancel-job").is_hidden()
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    ray_jobs = JobSubmissionClient(f"http://127.0.0.1:{_head(svc)['dashboard_port']}")
+    deadline = time.time() + 60
+    while ray_jobs.get_job_status(job_id) != JobStatus.STOPPED and time.time() < deadline:
+        time.sleep(0.5)
+    assert ray_jobs.get_job_status(job_id) == JobStatus.STOPPED
+    logs = svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]  # Ray's log, through the service
+    assert f"registered as job {job_id} with the control plane at {svc.url}" in logs
+
+
+def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stack,
+                                                                              tmp_path):
     svc = stack
     open(os.path.join(svc.holds, "step_3"), "w").close()
     # this job's blocks run under torch.compile (inductor); tests/test_compile.py holds
@@ -87,21 +211,20 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     status, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "compile": True}})
     assert status == 201 and job["status"] == "PENDING"
     assert job["spec"]["compile"]["enabled"] is True
-    # max_running=1: the second job waits in the service's queue, then is cancelled
-    _, queued = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 200}})
-    _watch_dashboard(svc, job["id"], held_step=3)
-    events = svc.events(job["id"])
-    statuses = [e["status"] for e in events if "status" in e]
-    assert statuses[-1] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
-    records = [(e["step"], e["rank"]) for e in events if "step" in e]
-    assert sorted(records) == [(s, r) for s in range(1, 17) for r in range(WORLD)]
-    metrics = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
-    assert len(metrics) == 16 * WORLD  # every step, every rank
-    part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
-    assert sum(part["elements_per_rank"]) == sum(p["numel"] for p in part["params"].values())
-    assert part["inventory"] == {"source": "cluster", "nodes": 1}  # the head's, not assumed
-    _wait_status(svc, queued["id"], {"RUNNING"})
-    assert svc.request("POST", f"/v1/jobs/{queued['id']}/cancel")[1]["status"] == "STOPPED"
+    holds = [os.path.join(svc.holds, f"step_{s}") for s in (1, 2)]
+    try:
+        with _dashboard(svc, f"/#job={job['id']}") as page:
+            measured = _watch_dashboard(page, svc, job["id"], held_step=3)
+            _first_job_to_success(svc, job)
+            _log_view_shows_the_tail(page, svc, job["id"])
+            for hold in holds:  # the next job waits before its first and second steps
+                open(hold, "w").close()
+            _building_then_cancel(page, svc, _send_with_ray_job_submit(svc, tmp_path),
+                                  measured)
+    finally:
+        for hold in holds:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(hold)
     status, logs = svc.request("GET", f"/v1/jobs/{job['id']}/logs")
     summary = json.loads(next(line for line in logs.splitlines() if '"summary"' in line))
     assert status == 200 and summary["summary"]["final_step"] == SPEC["steps"]
@@ -116,6 +239,19 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
         text=True, timeout=120, env={**os.environ, "DMUON_URL": svc.url,
                                       "DMUON_API_TOKEN": svc.token})
     assert streamed.returncode == 0 and '"summary"' in streamed.stdout, streamed.stderr
+
+
+def _first_job_to_success(svc, job) -> None:
+    events = svc.events(job["id"])
+    statuses = [e["status"] for e in events if "status" in e]
+    assert statuses[-1] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
+    records = [(e["step"], e["rank"]) for e in events if "step" in e]
+    assert sorted(records) == [(s, r) for s in range(1, 17) for r in range(WORLD)]
+    metrics = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    assert len(metrics) == 16 * WORLD  # every step, every rank
+    part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
+    assert sum(part["elements_per_rank"]) == sum(p["numel"] for p in part["params"].values())
+    assert part["inventory"] == {"source": "cluster", "nodes": 1}  # the head's, not assumed
 
 
 def test_sigkill_restart_reattaches_keeps_jobs_and_metrics_and_reconciles(stack):

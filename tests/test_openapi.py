@@ -17,7 +17,8 @@ from schemathesis import GenerationMode
 
 SPEC_OPERATIONS = (("POST", "/v1/jobs"), ("POST", "/v1/plan"))
 MUTATING = [("POST", "/v1/jobs"), ("POST", "/v1/jobs/x/cancel"), ("POST", "/v1/plan"),
-            ("POST", "/v1/jobs/x/metrics"), ("GET", "/v1/jobs/x/logs")]
+            ("POST", "/v1/jobs/x/metrics"), ("GET", "/v1/jobs/x/logs"),
+            ("POST", "/v1/jobs/register")]
 
 
 @pytest.fixture(scope="module", params=["token", "no-token"])
@@ -76,7 +77,7 @@ HOSTILE = [b'{"spec": {"optimizer": {"lr": 1e999}}, "dry_run": true}',
            b'{"spec": {"steps": 100000000000000000000}, "dry_run": true}',
            b'[{"job_id": "\\udfff", "step": 100000000000000000000, "rank": NaN}]',
            b'{"model": {"dim": 1e999}}', b"[" * 5000 + b"]" * 5000, b"\xff\xfe"]
-PATHS = ["/v1/jobs", "/v1/plan", "/v1/jobs/dmuon-000000000000/cancel",
+PATHS = ["/v1/jobs", "/v1/plan", "/v1/jobs/register", "/v1/jobs/dmuon-000000000000/cancel",
          "/v1/jobs/dmuon-000000000000/metrics", "/v1/jobs/x%00y/metrics",
          "/v1/jobs/\\ud800/cancel"]
 

@@ -1,16 +1,21 @@
 """The dashboard at ``/``: a static page over the REST API and the event stream.
 
 Charts come from Plotly's own bundle, served from the installed ``plotly`` package
-(pinned in requirements.lock), so the page needs no network and no build step.
+(pinned in requirements.lock), so the page needs no network and no build step. The
+memory kinds (``dmuon.MEMORY_KINDS``) reach the page from here: one colour per kind in
+every memory chart.
 """
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 
 from fastapi import FastAPI
-from fastapi.responses import FileResponse, HTMLResponse
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
+
+from dmuon import MEMORY_KINDS
 
 STATIC = resources.files("service.api") / "static"
 
@@ -32,5 +37,10 @@ def mount_dashboard(app: FastAPI) -> None:
     def plotly():
         return FileResponse(_plotly_bundle(), media_type="text/javascript",
                             headers={"Cache-Control": "public, max-age=86400"})
+
+    @app.get("/memory-kinds.js", include_in_schema=False)
+    def memory_kinds():
+        return Response(f"const MEMORY_KINDS = {json.dumps(list(MEMORY_KINDS))};\n",
+                        media_type="text/javascript")
 
     app.mount("/static", StaticFiles(directory=str(STATIC)), name="static")

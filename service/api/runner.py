@@ -203,6 +203,17 @@ class RayJobRunner:
                                runtime_env=self.runtime_env(job))
         return submission
 
+    def has_job(self, submission_id: str) -> bool:
+        """Whether this cluster's job API knows the submission (a job registered by its
+        entrypoint must be one of them: the runner follows it there)."""
+        try:
+            self.client.get_job_info(submission_id)
+        except RuntimeError as e:
+            if not _missing(e):
+                raise
+            return False
+        return True
+
     def status_of(self, submission_id: str) -> str:
         return str(self.client.get_job_status(submission_id).value)
 

@@ -128,6 +128,23 @@ class JobStore:
                     jobs.c.idempotency_key == idempotency_key)).scalar_one()
         return self.get_job(job_id), created
 
+    def register_job(self, job_id: str, name: str, spec: dict, plan: dict,
+                     token_hash: str) -> dict | None:
+        """A job Ray already runs (started with ``ray job submit``), stored RUNNING under
+        its submission id and followed as submitted; None if that id is taken."""
+        now, message = time.time(), "registered by its entrypoint (ray job submit)"
+        row = {"id": job_id, "name": name, "spec": json.dumps(spec), "status": "RUNNING",
+               "dry_run": False, "plan": json.dumps(plan), "created": now, "updated": now,
+               "ray": SUBMITTED, "job_token_hash": token_hash}
+        with self.writer.begin() as conn:
+            stmt = self._insert(jobs).values(**row).on_conflict_do_nothing(
+                index_elements=["id"]).returning(jobs.c.id)
+            if conn.execute(stmt).first() is None:
+                return None
+            conn.execute(insert(history_table).values(job_id=job_id, status="RUNNING",
+                                                      time=now, message=message))
+        return self.get_job(job_id)
+
     def get_job(self, job_id: str) -> dict | None:
         with self.reader.connect() as conn:
             row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()

@@ -40,6 +40,7 @@ from .. import failure  # noqa: E402
 from ..inputs import resolve_inputs  # noqa: E402
 from ..plan.document import PlanDocument  # noqa: E402
 from ..spec import SpecError, load_spec  # noqa: E402
+from . import register  # noqa: E402
 
 
 def connect_ray(num_cpus: int | None = None) -> None:
@@ -233,7 +234,8 @@ def main(argv=None) -> int:
     args = _arguments(argv)
     try:
         spec, plan, inputs, token = _inputs(args)
-    except (SpecError, OSError, ValueError) as e:
+        plan, token = register.register_if_submitted(args, spec, plan, token)
+    except (SpecError, OSError, ValueError, register.RegistrationError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return _run(args, spec, plan, inputs, token)

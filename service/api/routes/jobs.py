@@ -1,14 +1,15 @@
-"""Jobs: submit (planned once, stored with the job), list, read, cancel, partition, and
-a plan without a job."""
+"""Jobs: submit (planned once, stored with the job), register one started with ``ray job
+submit``, list, read, cancel, partition, and a plan without a job."""
 
 from __future__ import annotations
 
 import os
+import secrets
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from ...inputs import resolve_inputs, resolve_model
 from ...inputs.packages import PackageError, runtime_working_dir
@@ -17,7 +18,7 @@ from ...plan.document import PlanDocument
 from ...plan.layout import PlacementError
 from ...plan.make import plan_document
 from ...spec import JobSpec, SpecError, text
-from ..guard import JobId, guarded
+from ..guard import JOB_ID, JobId, guarded, token_hash
 from ..schema import STATES
 
 SPEC_BYTES = 64 << 10  # a spec is a few hundred bytes; this leaves room for comments
@@ -33,6 +34,14 @@ class JobSubmission(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     spec: JobSpec
     dry_run: bool = False
+
+
+class Registration(BaseModel):
+    """A job started with ``ray job submit``, as its entrypoint registers it."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    spec: JobSpec
+    submission_id: str = Field(pattern=JOB_ID, description="the job's Ray submission id")
 
 
 def _job_or_404(store, job_id: str, with_plan: bool = False) -> dict:
@@ -108,6 +117,43 @@ def submit(body: JobSubmission, request: Request, response: Response,
     response.status_code = 201 if created else 200
     job.pop("plan")
     return job
+
+
+@admin.post("/v1/jobs/register", status_code=201, max_body_size=SPEC_BYTES)
+def register(body: Registration, request: Request):
+    """A job its entrypoint runs under ``ray job submit`` on this service's cluster:
+    planned here, stored RUNNING under its submission id and followed like any other job
+    (status, metrics, logs, cancel). Answers the job, the plan it is to run and its own
+    token for its metric posts; 409 if the id is taken."""
+    state, job_id = request.app.state, body.submission_id
+    if state.store.job_status(job_id) is not None:  # before planning; the insert checks too
+        raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
+    _check_on_ray(state.runner, job_id)
+    planned = _plan(request, body.spec, "spec.layout", _model_inputs(request, body.spec))
+    plan = planned.model_dump(mode="json")
+    token = secrets.token_urlsafe(32)
+    job = state.store.register_job(job_id, body.spec.name, body.spec.model_dump(mode="json"),
+                                   plan, token_hash(token))
+    if job is None:  # registered meanwhile
+        raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
+    job.pop("plan")
+    return {"job": job, "plan": plan, "job_token": token}
+
+
+def _check_on_ray(runner, submission_id: str) -> None:
+    """422 naming ``submission_id`` unless the attached cluster runs that Ray job."""
+    where = None if runner is None else runner.ray_address
+    try:
+        known = runner is not None and runner.has_job(submission_id)
+    except Exception as e:  # noqa: BLE001 - Ray's client raises several kinds
+        raise HTTPException(503, f"cannot ask Ray at {where} about {submission_id!r}: "
+                                 f"{e}", headers={"Retry-After": "5"}) from None
+    if not known:
+        why = (f"Ray at {where} has no job {submission_id!r}" if runner is not None
+               else "this service has no Ray cluster attached")
+        raise HTTPException(422, [{"field": "submission_id", "message":
+                                   f"{why}: only a job on the cluster this service runs "
+                                   f"on can be registered (it follows the job there)"}])
 
 
 @admin.post("/v1/jobs/{job_id}/cancel")

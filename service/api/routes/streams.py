@@ -14,6 +14,7 @@ from ..guard import JobId, guarded
 from ..schema import TERMINAL
 
 MAX_CURSOR = 1 << 62
+MAX_TAIL_LINES = 100_000
 reads = APIRouter(route_class=guarded("read"), tags=["streams"])
 admin = APIRouter(route_class=guarded("admin"), tags=["streams"])
 
@@ -56,8 +57,13 @@ async def _status_event(store, job_id: str, status: str) -> dict:
 
 
 @admin.get("/v1/jobs/{job_id}/logs")
-def logs(request: Request, job_id: Annotated[str, Depends(_existing)], follow: bool = False):
-    """The job driver's output; ``follow=true`` streams it until the job ends."""
+def logs(request: Request, job_id: Annotated[str, Depends(_existing)], follow: bool = False,
+         tail: int | None = Query(None, ge=1, le=MAX_TAIL_LINES)):
+    """The job driver's output; ``tail=N`` its last N lines (the dashboard's log view);
+    ``follow=true`` streams it until the job ends."""
+    if follow and tail is not None:
+        raise HTTPException(422, [{"field": "query.tail", "message": "tail is for a read of "
+                                   "the log; follow=true streams all of it"}])
     state = request.app.state
     job = state.store.job_view(job_id)
     runner = state.runner
@@ -66,4 +72,16 @@ def logs(request: Request, job_id: Annotated[str, Depends(_existing)], follow: b
         return PlainTextResponse("")
     if follow:
         return StreamingResponse(runner.tail(job_id), media_type="text/plain")
-    return PlainTextResponse(runner.logs(job_id))
+    text = runner.logs(job_id)
+    return PlainTextResponse(text if tail is None else last_lines(text, tail))
+
+
+def last_lines(text: str, n: int) -> str:
+    """The last ``n`` lines, split at newlines only (a progress bar's carriage returns
+    stay inside its line)."""
+    start = len(text) - text.endswith("\n")
+    for _ in range(n):
+        start = text.rfind("\n", 0, start)
+        if start < 0:
+            return text
+    return text[start + 1:]

@@ -93,6 +93,8 @@ async function selectJob(id) {
   ]);
   state.job = { ...job, partition, steps: new Map(), latest: new Map(), dirty: false };
   state.selecting = false;
+  clearLog();
+  refreshLog();
   document.querySelectorAll("#jobs tbody tr").forEach((row) => {
     row.className = row.dataset.id === id ? "selected" : "";
   });
@@ -123,6 +125,8 @@ function showFacts(job) {
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
   document.getElementById("job-title").dataset.dryRun = job.dry_run ? "true" : "false";
   showReason(job);
+  showPhase(job);
+  showActions(job);
 }
 
 // An elastic job's range, and every start of a job's worker group: the layout it ran
@@ -177,9 +181,8 @@ function drawOwnership(partition) {
 
 function drawMemory(perRank, source) {
   document.getElementById("memory-caption").textContent = `Memory per rank by kind (${source})`;
-  const kinds = [...new Set(perRank.flatMap((m) => Object.keys(m)))];
-  Plotly.react("memory-chart", kinds.map((kind) => ({
-    type: "bar", name: kind, x: rankLabels(perRank.length),
+  Plotly.react("memory-chart", memoryKinds(perRank).map((kind) => ({
+    type: "bar", name: kind, x: rankLabels(perRank.length), marker: { color: kindColour(kind) },
     y: perRank.map((m) => m[kind] || 0),
     hovertemplate: `%{x} ${kind}: %{y:,} B<extra></extra>`,
   })), { barmode: "stack", margin: MARGIN, legend: { orientation: "h", y: -0.2 },
@@ -203,27 +206,40 @@ const stepAxis = (steps, title) => ({
   title: { text: title || "" }, tickformat: "d", dtick: Math.max(1, Math.ceil(steps.length / 8)),
 });
 
+const METRIC_CHARTS = ["loss-chart", "throughput-chart", "lr-chart", "steptime-chart",
+  "bytes-chart"];
+
+// over the ranks with a finite loss (a non-finite one is stored as null), as the
+// trackers log it; null when no rank has one
+function meanLoss(recs) {
+  const losses = recs.map((r) => r.loss).filter((v) => v != null);
+  return losses.length ? losses.reduce((a, b) => a + b, 0) / losses.length : null;
+}
+
 function drawMetrics() {
   const job = state.job;
+  const waiting = waitingFor(job);
+  if (waiting) {
+    drawWaiting(METRIC_CHARTS, waiting);
+    showFacts(job);
+    return;
+  }
+  drawSteps(job);
+  showFacts(job);
+}
+
+function drawSteps(job) {
   const steps = [...job.steps.keys()].sort((a, b) => a - b);
-  const mean = (recs) => recs.reduce((s, r) => s + r.loss, 0) / recs.length;
   const first = (s, key) => job.steps.get(s).find((r) => r[key] != null)?.[key] ?? null;
   const valSteps = steps.filter((s) => first(s, "val_loss") != null);
   Plotly.react("loss-chart", [{
     type: "scatter", mode: "lines+markers", name: "loss", x: steps,
-    y: steps.map((s) => mean(job.steps.get(s))),
+    y: steps.map((s) => meanLoss(job.steps.get(s))),
   }, {
     type: "scatter", mode: "lines+markers", name: "val loss", x: valSteps,
     y: valSteps.map((s) => first(s, "val_loss")),
   }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
-  Plotly.react("throughput-chart", [{
-    type: "scatter", mode: "lines", name: "tokens/s (all ranks)", x: steps,
-    y: steps.map((s) => first(s, "tokens_per_s_total")),
-  }, {
-    type: "scatter", mode: "lines", name: "MFU", x: steps, yaxis: "y2",
-    y: steps.map((s) => first(s, "mfu")),
-  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
-  CHART);
+  drawThroughput(steps, first);
   const lrKinds = [...new Set(steps.flatMap((s) => Object.keys(first(s, "lr") || {})))];
   Plotly.react("lr-chart", [...lrKinds.map((kind) => ({
     type: "scatter", mode: "lines", name: `lr ${kind}`, x: steps,
@@ -248,7 +264,24 @@ function drawMetrics() {
       hovertemplate: `%{x} ${phase}: %{y:,} B<extra></extra>`,
     })), { barmode: "stack", margin: MARGIN, legend: { orientation: "h", y: -0.2 } }, CHART);
   }
-  showFacts(job);
+}
+
+// MFU needs a peak (the GPU's, or the spec's metrics.peak_tflops): without one (CPUs)
+// it is null and gets no axis
+function drawThroughput(steps, first) {
+  const mfu = steps.map((s) => first(s, "mfu"));
+  const traces = [{
+    type: "scatter", mode: "lines", name: "tokens/s (all ranks)", x: steps,
+    y: steps.map((s) => first(s, "tokens_per_s_total")),
+  }];
+  const layout = { margin: MARGIN, xaxis: stepAxis(steps) };
+  if (mfu.some((v) => v != null)) {
+    traces.push({ type: "scatter", mode: "lines", name: "MFU", x: steps, yaxis: "y2", y: mfu });
+    layout.yaxis2 = { overlaying: "y", side: "right" };
+  }
+  document.getElementById("throughput-caption").textContent =
+    `Throughput: tokens/s of all ranks${layout.yaxis2 ? ", MFU (right)" : ""}`;
+  Plotly.react("throughput-chart", traces, layout, CHART);
 }
 
 function onMetrics(rec) {
@@ -285,8 +318,14 @@ async function followEvents(id) {
           if (event.id) lastId = Number(event.id);
           if (event.type === "metrics") onMetrics(JSON.parse(event.data));
           if (event.type === "status") Object.assign(state.job, JSON.parse(event.data));
-          if (event.type === "status" && ["SUCCEEDED", "FAILED", "STOPPED"].includes(state.job.status)) {
-            state.job.dirty = true;
+          // the stream sends the stored records before its first status event; drawn
+          // now, so the charts and the phase line never disagree
+          if (event.type === "status") {
+            Object.assign(state.job, { caughtUp: true, dirty: false });
+            drawMetrics();
+          }
+          if (event.type === "status" && TERMINAL.includes(state.job.status)) {
+            refreshLog();  // the driver's last lines, now complete
             return;
           }
         }
@@ -323,6 +362,7 @@ api("/version").then((r) => r.json()).then((v) => {
 }).catch(() => {});
 setInterval(() => {
   if (state.job?.dirty) { state.job.dirty = false; drawMetrics(); }
+  else if (state.job) showPhase(state.job);  // its seconds count on
 }, 500);
 const poll = () => refreshJobs().catch((err) => console.warn(err.message));
 poll();
