@@ -62,9 +62,9 @@ class StepRecord(BaseModel):
     rss_bytes: Count | None = None
     time: Number = None
     # (r, s), or (r, s, t) under tensor parallelism
-    coord: tuple[Count, Count] | tuple[Count, Count, Count] | None = Field(None, strict=False)
+    coord: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
     # R x N (x T) of this run
-    layout: tuple[Count, Count] | tuple[Count, Count, Count] | None = Field(None, strict=False)
+    layout: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)
