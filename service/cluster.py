@@ -6,7 +6,8 @@ The head runs as a separate ``ray start --head --block`` process in its own sess
 outlives the service: a restarted (even SIGKILLed) service finds it through
 ``<state_dir>/ray_head.json`` and re-attaches, and running jobs go on. ``stop()`` ends
 that session and every process started with the head's private temp dir; it never runs
-``ray stop``, which would end every Ray process on the machine.
+``ray stop``, which would end every Ray process on the machine. A service that shuts
+down (Ctrl-C, SIGTERM) stops its head unless told to keep it (``DMUON_KEEP_RAY``).
 """
 
 from __future__ import annotations
@@ -149,8 +150,10 @@ class LocalRayHead:
             return False
 
     def _processes(self) -> list[int]:
-        """Every process whose command line names our private temp dir."""
-        return pids_with(self.temp_dir)
+        """Every process of the head: those whose command line names its private temp
+        dir, and the members of its session (``ray start`` leads it), whatever process
+        group they moved to."""
+        return sorted(set(pids_with(self.temp_dir)) | set(_in_session(self.pid)))
 
     def stop(self) -> None:
         for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
@@ -183,6 +186,20 @@ def pids_with(*parts: str) -> list[int]:
     return pids
 
 
+def _in_session(sid: int) -> list[int]:
+    """Live processes of session ``sid`` (the sixth field of /proc/<pid>/stat)."""
+    members = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                state, _, _, session = fh.read().rsplit(")", 1)[1].split()[:4]
+        except (OSError, ValueError):
+            continue
+        if int(session) == sid and state != "Z" and int(pid) != os.getpid():
+            members.append(int(pid))
+    return members
+
+
 def _reap(pid: int) -> None:
     """Collect our child's exit status so it does not linger as a zombie."""
     try:
@@ -191,14 +208,26 @@ def _reap(pid: int) -> None:
         pass
 
 
-def stop_recorded(state_dir: str) -> bool:
-    """Stop the head recorded in ``state_dir`` (``make demo`` on exit); False if none."""
-    path = os.path.join(state_dir, STATE_FILE)
+def recorded_head(state_dir: str) -> LocalRayHead | None:
+    """The head recorded in ``state_dir``, if any (alive or not)."""
     try:
-        with open(path) as fh:
-            head = LocalRayHead(**json.load(fh))
+        with open(os.path.join(state_dir, STATE_FILE)) as fh:
+            return LocalRayHead(**json.load(fh))
     except (OSError, ValueError, TypeError):
-        return False
+        return None
+
+
+def stop_head(head: LocalRayHead, state_dir: str) -> None:
+    """Stop ``head`` by PID and forget it, if ``state_dir`` still records it."""
     head.stop()
-    os.remove(path)
-    return True
+    if recorded_head(state_dir) == head:
+        os.remove(os.path.join(state_dir, STATE_FILE))
+
+
+def stop_recorded(state_dir: str) -> LocalRayHead | None:
+    """Stop the head recorded in ``state_dir`` (``dmuon-serve --stop-ray``, ``make demo``
+    on exit); returns it, None if none is recorded."""
+    head = recorded_head(state_dir)
+    if head is not None:
+        stop_head(head, state_dir)
+    return head

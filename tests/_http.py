@@ -13,7 +13,7 @@ import time
 import requests
 
 from service.api.serve import wait_healthy
-from service.cluster import free_port, stop_recorded
+from service.cluster import STATE_FILE, free_port, pids_with, stop_recorded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -43,11 +43,28 @@ class Service:
         self.proc = None
         self.start()
 
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [*self.argv, "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
-             "warning"], env=self.env, start_new_session=True, cwd=ROOT)
+    def start(self, *flags: str, stderr: str | None = None) -> None:
+        """``flags`` go to dmuon-serve; ``stderr``: a file for its standard error."""
+        err = open(stderr, "ab") if stderr else None
+        try:
+            self.proc = subprocess.Popen(
+                [*self.argv, "--host", "127.0.0.1", "--port", str(self.port), "--log-level",
+                 "warning", *flags], env=self.env, start_new_session=True, cwd=ROOT,
+                stderr=err)
+        finally:
+            if err is not None:
+                err.close()
         wait_healthy(self.url, self.proc, timeout_s=120)
+
+    def head(self) -> dict:
+        """The local Ray head the service records (``ray_head.json``)."""
+        with open(os.path.join(self.env["DMUON_STORAGE"], STATE_FILE)) as fh:
+            return json.load(fh)
+
+    def signalled(self, sig, timeout: float = 60) -> int:
+        """Send ``sig`` to dmuon-serve alone (not its session) and wait: its exit status."""
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout=timeout)
 
     @contextlib.contextmanager
     def serving(self):
@@ -103,3 +120,25 @@ class Service:
             return resp.status_code, strict_json(resp.text)
         except ValueError:
             return resp.status_code, resp.text
+
+
+def head_processes(head: dict) -> set[int]:
+    """Every process of a local Ray head: its session's (``ray start`` leads it) and
+    every one whose command line names its private temp dir."""
+    found = set(pids_with(head["temp_dir"]))
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == head["pid"]:  # the session id
+            found.add(int(pid))
+    return found
+
+
+def alive(pids) -> set[int]:
+    """Those still running (a zombie has ended: it only waits for its parent)."""
+    from service.cluster import _alive
+
+    return {p for p in pids if _alive(p)}

@@ -1,21 +1,26 @@
 """End to end: real uvicorn on 127.0.0.1 starting its own local Ray head, jobs through
 Ray's job API, the dashboard in Debian's Chromium (no MFU axis on CPUs, the log view, a
 job sent with the real `ray job submit` that registers itself and is listed, its
-building state, one colour per memory kind, cancel from the page), and a SIGKILLed
-service restarting."""
+building state, one colour per memory kind, cancel from the page), a SIGKILLed service
+restarting, a head kept over Ctrl-C (``--keep-ray``) and one stopped by SIGTERM, and a
+job's log as ``dmuon-svc logs`` prints it."""
 
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import re
+import signal
+import statistics
 import subprocess
 import sys
 import time
 
 import pytest
 from _browser import ARTIFACTS, page_with_errors
-from _http import Service
+from _http import Service, alive, head_processes
 
 from service.cluster import STATE_FILE
 from service.failure import strip_ansi
@@ -254,9 +259,14 @@ def _first_job_to_success(svc, job) -> None:
     assert part["inventory"] == {"source": "cluster", "nodes": 1}  # the head's, not assumed
 
 
+RESTARTED: dict = {}  # the job the SIGKILL test leaves held for the next test
+
+
 def test_sigkill_restart_reattaches_keeps_jobs_and_metrics_and_reconciles(stack):
     svc = stack
     head = _head(svc)
+    hold = os.path.join(svc.holds, "step_12")  # released by the next test
+    open(hold, "w").close()
     _, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "steps": 20}})
     deadline = time.time() + 240
     while time.time() < deadline and len(svc.request(
@@ -266,12 +276,100 @@ def test_sigkill_restart_reattaches_keeps_jobs_and_metrics_and_reconciles(stack)
     assert len(before) >= WORLD * 3
     svc.kill()  # SIGKILL while the job runs; its posts fail meanwhile, its spool goes on
     time.sleep(3)
-    svc.start()
+    svc.start("--keep-ray", stderr=os.path.join(svc.root, "kept.stderr"))  # for the next test
     assert _head(svc) == head  # re-attached to the same head, not a new one
-    assert svc.request("GET", f"/v1/jobs/{job['id']}")[1]["status"] in ("RUNNING",
-                                                                       "SUCCEEDED")
-    assert _wait_status(svc, job["id"], {"SUCCEEDED"}) == "SUCCEEDED"
-    after = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
-    keys = [(m["step"], m["rank"]) for m in after]
-    assert keys == [(s, r) for s in range(1, 21) for r in range(WORLD)]  # none lost, no dups
-    assert all(m in after for m in before)
+    assert svc.request("GET", f"/v1/jobs/{job['id']}")[1]["status"] == "RUNNING"
+    held = [(s, r) for s in range(1, 12) for r in range(WORLD)]  # steps 1-11, before the hold
+    deadline = time.time() + 120
+    while len(keys := _keys(svc, job["id"])) < len(held) and time.time() < deadline:
+        time.sleep(0.3)
+    assert keys == held  # none lost, no duplicates
+    RESTARTED.update(job=job["id"], before=before, hold=hold)
+
+
+def _keys(svc, job_id) -> list[tuple[int, int]]:
+    return [(m["step"], m["rank"]) for m in svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1]]
+
+
+def _stderr(path: str) -> str:
+    with open(path, errors="replace") as fh:
+        return fh.read()
+
+
+def test_a_kept_head_outlives_sigint_and_the_next_service_finishes_its_job(stack,
+                                                                         monkeypatch,
+                                                                         capsys):
+    """``--keep-ray`` and Ctrl-C: exit 0, no traceback, the head and its held job go on;
+    a service without the flag re-attaches, the job ends SUCCEEDED, its log reads as a
+    line per step, ``--follow`` shows the mean loss over the ranks; then SIGTERM stops
+    the service and every process of the head."""
+    from ray.job_submission import JobSubmissionClient
+
+    svc, job_id = stack, RESTARTED["job"]
+    head = _head(svc)
+    assert svc.signalled(signal.SIGINT) == 0
+    err = _stderr(os.path.join(svc.root, "kept.stderr"))
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert alive({head["pid"]}) == {head["pid"]}
+    ray_jobs = JobSubmissionClient(f"http://127.0.0.1:{head['dashboard_port']}")
+    assert str(ray_jobs.get_job_status(job_id).value) == "RUNNING"  # held, on the kept head
+    second = os.path.join(svc.root, "second.stderr")
+    svc.start(stderr=second)
+    assert _head(svc) == head  # re-attached
+    os.remove(RESTARTED["hold"])
+    assert svc.wait_ended(job_id)["status"] == "SUCCEEDED"
+    after = svc.request("GET", f"/v1/jobs/{job_id}/metrics")[1]
+    assert [(m["step"], m["rank"]) for m in after] == [
+        (s, r) for s in range(1, 21) for r in range(WORLD)]
+    assert all(m in after for m in RESTARTED["before"])
+    means = {s: statistics.fmean(m["loss"] for m in after if m["step"] == s)
+             for s in range(1, 21)}
+    _the_log_reads_as_a_line_per_step(svc, job_id, means)
+    _follow_shows_the_mean_loss(svc, job_id, means, monkeypatch, capsys)
+    processes = head_processes(head)
+    assert head["pid"] in processes and len(processes) > 5
+    assert svc.signalled(signal.SIGTERM) == 0
+    err = _stderr(second)
+    assert "Traceback" not in err, err[-3000:]
+    assert alive(processes) == set()
+    assert not os.path.exists(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE))
+
+
+def _cli(svc, *args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True,
+                          timeout=120, env={**os.environ, "DMUON_URL": svc.url,
+                                            "DMUON_API_TOKEN": svc.token})
+
+
+def _the_log_reads_as_a_line_per_step(svc, job_id, means) -> None:
+    """``dmuon-svc logs`` into a pipe: at most 2 lines per step, no escape byte, one line
+    per step with the mean loss (counted here from the stored records); ``--raw`` is
+    the log as Ray keeps it."""
+    shown = _cli(svc, "logs", job_id)
+    assert shown.returncode == 0, shown.stderr
+    text = shown.stdout.decode()
+    lines = text.splitlines()
+    assert b"\x1b" not in shown.stdout and len(lines) <= 2 * len(means), text
+    steps = [re.search(r"step (\d+)  loss (\S+) \(mean of 4 ranks\)", line) for line in lines]
+    assert [(int(m[1]), m[2]) for m in steps if m] == [
+        (s, f"{loss:.4f}") for s, loss in means.items()], text
+    assert '"summary"' in lines[-1]
+    raw = _cli(svc, "logs", "--raw", job_id)
+    assert raw.stdout.decode() == svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
+
+
+def _follow_shows_the_mean_loss(svc, job_id, means, monkeypatch, capsys) -> None:
+    """The follower on the ended job's whole event stream: each step line's loss is the
+    mean over the ranks."""
+    from service import cli
+    from service.cli.progress import follow
+
+    monkeypatch.setenv("DMUON_URL", svc.url)
+    monkeypatch.setenv("DMUON_API_TOKEN", svc.token)
+    capsys.readouterr()
+    cli.setup_logging()
+    out = io.StringIO()
+    assert follow(job_id, 20, out=out, progress=io.StringIO()) == "SUCCEEDED"
+    shown = re.findall(r"step (\d+)(?:/20|,)  ?loss (\S+)", capsys.readouterr().err)
+    assert len(shown) >= 10, shown  # the first step, then one line per two steps
+    assert all(loss == f"{means[int(step)]:.4f}" for step, loss in shown), shown

@@ -188,6 +188,29 @@ def test_a_job_followed_once_it_runs_has_no_placing_phase(capsys):
     assert _log_lines(capsys) == ["first step (0 s): step 3, loss 2.0000"]
 
 
+def test_follow_shows_the_loss_averaged_over_the_ranks_once_every_rank_reported(capsys):
+    """Records that say their layout (2 x 2: four ranks) move the follower once all four
+    of a step have come, with their mean, as the dashboard and TensorBoard show it; a
+    step a rank never reported is passed over by the next complete one."""
+    cli.setup_logging()
+    follower = Follower("j", 4, interactive=False, clock=Clock())
+    losses = {1: [5.0, 5.5, 6.0, 7.5], 3: [4.0, 4.25, 4.5, 4.75], 4: [1.0, 2.0, 3.0, 4.0]}
+    shown_before = {1: 0, 2: 1, 3: 1, 4: 3}  # the last complete step, as a step comes in
+    for step in (1, 2, 3, 4):
+        for rank in range(4):
+            if step == 2 and rank == 3:
+                continue  # lost in flight
+            loss = losses.get(step, [9.0] * 4)[rank]
+            follower.on_record({"rank": rank, "step": step, "loss": loss, "layout": [2, 2]})
+            if rank < 3:
+                assert follower.step == shown_before[step], (step, rank)
+    assert _log_lines(capsys) == [
+        "first step (0 s): step 1, loss 6.0000",  # (5 + 5.5 + 6 + 7.5) / 4
+        "step 3/4  loss 4.3750  ETA 0 s",  # step 2 never complete; 17.5 / 4
+        "step 4/4  loss 2.5000  ETA 0 s"]
+    assert follower.pending == {}
+
+
 def test_on_a_terminal_the_phases_and_steps_are_tqdm_bars(capsys, monkeypatch):
     monkeypatch.delenv("COLUMNS", raising=False)  # tqdm's width when it is no terminal
     cli.setup_logging(logging.WARNING)

@@ -133,6 +133,15 @@ def test_dmuon_svc_commands_and_options_exist():
     assert wrong == []
 
 
+def test_dmuon_serve_flags_exist():
+    source = (ROOT / "service" / "api" / "serve.py").read_text()
+    used = {f for d in DOCS for s in code(d)
+            for call in re.findall(r"dmuon-serve((?: +--[\w-]+)*)", s)
+            for f in call.split()}
+    assert {"--keep-ray", "--stop-ray"} <= used
+    assert sorted(f for f in used if f'"{f}"' not in source) == []
+
+
 def resolves(dotted: str) -> bool:
     obj, path = importlib.import_module("dmuon"), "dmuon"
     for part in dotted.split("."):

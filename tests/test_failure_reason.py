@@ -4,14 +4,16 @@ End to end: a real ``dmuon-serve`` starting its own local Ray head; a factory mo
 uploaded as the job's working_dir, raises ``RuntimeError("boom")`` in ``forward`` at
 step 3 on rank 2 only. The job's ``reason`` (type, message, rank, step, frames) comes
 back from ``GET /v1/jobs/{id}``, the job list and the status event, with no terminal
-escape codes; the full log stays reachable; Debian's Chromium sees it on the dashboard,
-and sees a dry run marked as one. One Ray job serves every end-to-end assertion.
+escape codes; the full log stays reachable, and ``dmuon-svc logs`` shows the traceback with no
+escape codes; Debian's Chromium sees it on the dashboard, and sees a dry run marked as
+one; ``dmuon-serve --stop-ray`` then stops the head. One Ray job serves every end-to-end assertion.
 Without Ray: the 0001 -> 0002 migration, the reason's sanitising, Ray's worker errors.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import requests
@@ -141,6 +143,13 @@ def test_status_and_follow_print_the_reason(failed):
          f"sys.exit(0 if follow({job_id!r}, {SPEC['steps']}) == 'FAILED' else 1)"],
         capture_output=True, text=True, timeout=120, env=env)
     assert follow.returncode == 0 and f"{job_id}: {line}" in follow.stdout, follow.stderr
+    logs = subprocess.run([sys.executable, "-m", "service.cli", "logs", job_id],
+                          capture_output=True, timeout=120, env=env)  # into a pipe
+    assert logs.returncode == 0 and b"\x1b" not in logs.stdout, logs.stderr
+    text = logs.stdout.decode()
+    # the failure in full: the raising rank's traceback down to the model's frame
+    assert "RuntimeError: boom" in text and re.search(
+        r'File "[^"]*boommodel\.py", line \d+, in forward', text), text[-4000:]
 
 
 def test_the_store_keeps_the_reason_and_marks_the_dry_run(failed):
@@ -183,6 +192,31 @@ def test_the_dashboard_shows_why_the_job_failed_and_marks_the_dry_run(failed):
         assert "status\ndry run (planned, never run)" in page.locator("#job-facts").inner_text()
         assert page.locator("#job-reason").is_hidden()
         assert errors == []
+
+
+def test_stop_ray_stops_the_recorded_head_by_pid(failed):
+    """A SIGKILLed service leaves its head (as ``--keep-ray`` does): ``dmuon-serve
+    --stop-ray`` stops every process of the head recorded under DMUON_STORAGE and
+    forgets it; asked again, it says none is recorded (exit 1)."""
+    import os
+    import subprocess
+    import sys
+
+    from _http import alive, head_processes
+
+    svc = failed[0]
+    svc.kill()
+    head = svc.head()
+    processes = head_processes(head)
+    assert head["pid"] in processes and alive(processes)
+    command = [sys.executable, "-m", "service.api.serve", "--stop-ray"]
+    env = {**os.environ, "DMUON_STORAGE": svc.env["DMUON_STORAGE"]}
+    stopped = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert stopped.returncode == 0, stopped.stderr
+    assert stopped.stdout.startswith(f"stopped the local Ray head (pid {head['pid']}, ")
+    assert alive(processes) == set()
+    again = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 1 and "no local Ray head recorded in" in again.stderr
 
 
 # -- without Ray ----------------------------------------------------------------------------

@@ -108,3 +108,25 @@ def test_mutations_and_logs_without_the_token_get_401(svc, method, path):
     assert svc.request(method, path, body, token=False)[0] == 401
     assert svc.request(method, path, body, headers={"Authorization": "Bearer wrong"},
                        token=False)[0] == 401
+
+
+def test_one_default_for_the_mode_in_rest_the_cli_and_the_docs(svc):
+    """REST's schema and its plans, ``python -m service.plan`` and the pages that name
+    the default (README's and jobs.md's job.yaml) say the same ``dmuon.mode``."""
+    import pathlib
+    import re
+
+    from service.plan.__main__ import parser
+
+    schemas = svc.request("GET", "/openapi.json")[1]["components"]["schemas"]
+    rest = schemas["DMuonSpec"]["properties"]["mode"]["default"]
+    _, plan = svc.request("POST", "/v1/plan", {"model": "tiny"})
+    assert plan["modes"]["dmuon"] == rest == "z3"
+    assert parser().get_default("mode") == rest
+    root = pathlib.Path(__file__).resolve().parent.parent
+    said = [(page, m[1]) for page in ("README.md", "docs/jobs.md")
+            for m in re.finditer(r"dmuon: \{mode: \w+\}.*\(default (\w+)\)",
+                                 (root / page).read_text())]
+    assert [page for page, _ in said] == ["README.md", "docs/jobs.md"]
+    assert {mode for _, mode in said} == {rest}
+

@@ -8,9 +8,11 @@ also logs to a real ``mlflow server`` and to an offline W&B run, read back next 
 from __future__ import annotations
 
 import contextlib
+import glob
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +144,42 @@ def test_trainer_learns_and_reports_every_rank(baseline, storage):
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
     got, expect = _tensorboard_loss(storage, "baseline")  # the controller's event file
     assert got == expect and [s for s, _ in got] == steps
+    # each rank kept its record of each checkpointed step (4, 8) before the checkpoint
+    # committed: the very record the controller spooled
+    kept = {}
+    for path in glob.glob(os.path.join(storage, "baseline", "checkpoint_records", "*")):
+        with open(path) as fh:
+            kept.update(((r["step"], r["rank"]), r) for r in map(json.loads, fh))
+    spooled = {(r["step"], r["rank"]): {k: v for k, v in r.items() if k != "job_id"}
+               for r in records}
+    assert sorted(kept) == [(s, r) for s in (4, 8) for r in range(4)]
+    assert all(kept[key] == spooled[key] for key in kept)
+
+
+def test_the_export_is_readable_and_loads_back_as_the_trained_model(baseline, storage):
+    """Every export file is as readable as the umask allows (config.json's mode), and
+    ``load_exported`` gives the trained parameters (the run's own full copy) and the
+    logits of a model built here and given them."""
+    from service.models.builtin import build_model
+    from service.models.exported import load_exported
+
+    export = os.path.join(storage, "baseline", "export")
+    umask = os.umask(0o022)
+    os.umask(umask)
+    modes = {name: os.stat(os.path.join(export, name)).st_mode & 0o777
+             for name in os.listdir(export)}
+    assert any(n.endswith(".safetensors") for n in modes)
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+    params = baseline[1]
+    loaded = load_exported(export)
+    assert sorted(loaded.state_dict()) == sorted(params)
+    for key, value in params.items():
+        assert torch.equal(loaded.state_dict()[key], value), key
+    reference = build_model("tiny", dtype=torch.float32, seed=0)
+    reference.load_state_dict(params)
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(tokens), reference(tokens))
 
 
 def test_tensorboard_mlflow_and_wandb_hold_every_steps_loss(baseline, storage,
@@ -210,15 +248,24 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
          "--data-root", data_root, "--job-id", "submitted"],
         env=env, capture_output=True, text=True, timeout=300)
     assert "SUCCEEDED" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the job's stdout, as `ray job submit` relays it (lines may carry a log prefix)
-    lines = [json.loads(line[line.index('{"'):]) for line in proc.stdout.splitlines()
-             if '{"step": ' in line or '{"summary": ' in line]
-    steps = [line["step"] for line in lines if "step" in line]
-    assert steps == [1, 2, 3], proc.stdout[-2000:]
-    assert all(len(line["ranks"]) == 4 for line in lines if "step" in line)
-    assert lines[-1]["summary"]["status"] == "SUCCEEDED"
-    assert lines[-1]["summary"]["layout"] == [1, 4]
-    assert {tuple(r["coord"]) for r in _records(storage, "submitted")} == {
+    # the job's stdout, as `ray job submit` relays it (lines may carry a log prefix): a
+    # line per step with the mean of the ranks' losses (from the spool, counted here)
+    records = _records(storage, "submitted")
+    steps = [re.search(r"step (\d+)  loss (\S+) \(mean of 4 ranks\)  lr muon (\S+) "
+                       r"adamw (\S+)  (\S+) s/step$", line) for line in proc.stdout.splitlines()]
+    steps = [m.groups() for m in steps if m]
+    assert [int(s[0]) for s in steps] == [1, 2, 3], proc.stdout[-2000:]
+    for step, loss, muon, adamw, seconds in steps:
+        mine = [r for r in records if r["step"] == int(step)]
+        first = next(r for r in mine if r["rank"] == 0)
+        assert loss == f"{sum(r['loss'] for r in mine) / 4:.4f}"
+        assert (muon, adamw) == (f"{first['lr']['muon']:.4f}", f"{first['lr']['adamw']:.4f}")
+        assert seconds == f"{first['step_time_s']:.3f}"
+    assert "Reporting training result" not in proc.stdout  # Ray Train's INFO: its files only
+    summary = json.loads(next(line[line.index('{"'):] for line in proc.stdout.splitlines()
+                              if '{"summary": ' in line))["summary"]
+    assert summary["status"] == "SUCCEEDED" and summary["layout"] == [1, 4]
+    assert {tuple(r["coord"]) for r in records} == {
         (0, 0), (0, 1), (0, 2), (0, 3)}
 
 
@@ -402,3 +449,33 @@ def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeyp
     assert open(token_file).read() == "job-token" and os.stat(token_file).st_mode & 0o777 == 0o600
     assert "the-admin-token" not in " ".join(argv)
     assert "DMUON_API_TOKEN" not in runner_module.FORWARDED_ENV
+
+
+def test_a_cancelled_jobs_checkpointed_step_reaches_its_metrics(runner):
+    """A job cancelled right after its checkpoint of step 4 committed, while that
+    step's reports were still on their way to Ray Train's controller (the sleeper
+    stands for it; its ranks' records are written by the workers' own function): once
+    Ray says STOPPED, the store holds step 4 of every rank; a record the job posted
+    stays as posted, and a line cut short by the kill is left out."""
+    from service.api.records import StepRecord, ingest
+    from service.train.checkpoints import keep_record
+
+    store = runner.store
+    job_id = _job(store, "cancelled")
+    assert runner.submit_next()
+    job_dir = os.path.join(runner.storage, job_id)
+    kept = [{"step": s, "rank": r, "loss": 5.0 - s / 10 + r / 100, "step_time_s": 0.1}
+            for s in (2, 4) for r in range(2)]
+    for record in kept:
+        keep_record(job_dir, record)
+    with open(os.path.join(job_dir, "checkpoint_records", "rank_00001.jsonl"), "a") as fh:
+        fh.write('{"step": 6, "rank": 1, "lo')  # the kill came mid-line
+    posted = StepRecord.model_validate({**kept[0], "job_id": job_id, "loss": 9.5})
+    ingest(store, job_id, [posted], "post")
+    assert store.cancel(job_id)[1]
+    runner.stop_quietly(job_id)
+    assert _ray_status(runner, job_id, {"STOPPED"}) == "STOPPED"
+    runner.sync()
+    assert store.on_ray() == []  # settled
+    got = {(m["step"], m["rank"]): m["loss"] for m in store.metrics(job_id)}
+    assert got == {(2, 0): 9.5, **{(r["step"], r["rank"]): r["loss"] for r in kept[1:]}}

@@ -11,7 +11,8 @@ workers, 2x2 HSDP, gloo on loopback):
   through REST (``dmuon-svc submit --working-dir`` uploads the directory);
 - an elastic job whose smallest layout the head cannot hold fails once it has waited
   ``layout.elastic.max_wait_s``, naming both counts (Ray Train alone waits for ever);
-- bad paths and sizes refused with their field path before anything is stored.
+- bad paths and sizes refused with their field path before anything is stored;
+- Ctrl-C stops the service and every process of its head.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -29,7 +31,7 @@ import pytest
 import torch
 from _elastic import SPEC as ELASTIC
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
-from _http import Service
+from _http import Service, alive, head_processes
 
 from service.cluster import STATE_FILE
 from service.inputs.shards import write_shard
@@ -296,3 +298,21 @@ def test_bad_paths_and_sizes_are_refused_naming_the_field(svc):
         assert status == 422, (spec, body)
         assert [d["field"] for d in body["detail"]] == [field], (spec, body)
     assert len(svc.request("GET", "/v1/jobs")[1]) == stored  # nothing stored
+
+
+def test_ctrl_c_stops_the_service_and_every_process_of_its_head(svc):
+    """Last in this module: Ctrl-C (SIGINT) to dmuon-serve, restarted here with its
+    standard error in a file: exit 0, no traceback, none of the head's processes left
+    (by PID), the record gone. (SIGTERM, and --keep-ray: tests/test_app_ray.py.)"""
+    svc.kill()
+    stderr = os.path.join(svc.root, "serve.stderr")
+    svc.start(stderr=stderr)
+    head = svc.head()
+    processes = head_processes(head)
+    assert head["pid"] in processes and len(processes) > 5
+    assert svc.signalled(signal.SIGINT) == 0
+    with open(stderr) as fh:
+        err = fh.read()
+    assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
+    assert alive(processes) == set()
+    assert not os.path.exists(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE))

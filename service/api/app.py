@@ -39,8 +39,9 @@ async def _start_runner(app: FastAPI) -> None:
 
         head, reattached = await asyncio.to_thread(
             LocalRayHead.attach_or_start, settings.storage, settings.local_cpus)
+        app.state.local_head = head
         print(f"{'re-attached to' if reattached else 'started'} the local Ray head at "
-              f"{head.address} (dashboard {head.dashboard})", flush=True)
+              f"{head.address} (dashboard {head.dashboard}, pid {head.pid})", flush=True)
         address = head.dashboard
     if address:
         from .runner import RayJobRunner
@@ -66,6 +67,25 @@ async def _lifespan(app: FastAPI):
     if app.state.runner is not None:
         app.state.runner.close()
     app.state.store.close()
+    await _leave_local_head(app)
+
+
+async def _leave_local_head(app: FastAPI) -> None:
+    """On a shutdown (Ctrl-C, SIGTERM), stop the local head the service ran on, by PID,
+    unless ``DMUON_KEEP_RAY`` keeps it for the next service (which re-attaches). A
+    SIGKILLed service leaves it running, as a kept one."""
+    from ..cluster import STATE_FILE, stop_head
+
+    head, settings = app.state.local_head, app.state.settings
+    if head is None:
+        return
+    if settings.keep_ray:
+        print(f"kept the local Ray head (pid {head.pid}); the next dmuon-serve re-attaches "
+              "to it, dmuon-serve --stop-ray stops it", flush=True)
+        return
+    await asyncio.to_thread(stop_head, head, settings.storage)
+    print(f"stopped the local Ray head (pid {head.pid}; recorded in "
+          f"{settings.storage}/{STATE_FILE})", flush=True)
 
 
 def _error_entry(error: dict, body) -> dict:
@@ -96,7 +116,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
     app = FastAPI(title="DMuon control plane", version=system.VERSION, lifespan=_lifespan,
                   max_body_size=DEFAULT_BODY_BYTES)
-    app.state.settings, app.state.runner = settings, None
+    app.state.settings, app.state.runner, app.state.local_head = settings, None, None
     app.state.store = JobStore(settings.store_url())
     app.state.plans = threading.BoundedSemaphore(settings.max_concurrent_plans)
     app.state.prometheus = system.registry_for(app.state.store)

@@ -19,6 +19,8 @@ from ..spec import field_path, text
 from .store import JobStore
 
 MAX_RECORDS = 1000  # per request
+# each rank's records of its checkpointed steps (service.train.checkpoints.keep_record)
+CHECKPOINT_RECORDS = "checkpoint_records"
 MAX_STEP = 1 << 40
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = float | None
@@ -95,7 +97,8 @@ Records = Annotated[list[StepRecord], Field(max_length=MAX_RECORDS)]
 
 
 def ingest(store: JobStore, job_id: str, records: list[StepRecord], source: str) -> int:
-    """Into the store: posts never replace a record, the job's spool corrects one."""
+    """Into the store: posts and checkpoint records (``source`` ``post``, ``ckpt``: at
+    most 8 characters) never replace a record, the job's spool corrects one."""
     rows = [(r.step, r.rank, r.canonical()) for r in records]
     return store.add_metrics(job_id, rows, source, authoritative=source == "spool")
 
@@ -123,6 +126,29 @@ def read_spool(store: JobStore, job_id: str, path: str, offset: int) -> tuple[in
     if complete:
         store.advance_spool(job_id, offset + len(complete))
     return stored, problems
+
+
+def read_checkpoint_records(store: JobStore, job_id: str, job_dir: str
+                            ) -> tuple[int, list[str]]:
+    """Ingest the records the ranks kept before each checkpoint committed, where the
+    store lacks them (a job stopped while its last reports were still on their way);
+    never replacing a stored one. Returns (records stored, problems)."""
+    folder = os.path.join(job_dir, CHECKPOINT_RECORDS)
+    try:
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
+    except FileNotFoundError:
+        return 0, []
+    records, problems = [], []
+    for name in names:
+        with open(os.path.join(folder, name), "rb") as fh:
+            text = fh.read()
+        for number, line in enumerate(text[:text.rfind(b"\n") + 1].splitlines()):
+            try:
+                records.append(StepRecord.model_validate({**json.loads(line),
+                                                          "job_id": job_id}))
+            except (ValueError, TypeError, ValidationError) as e:
+                problems.append(f"{folder}/{name}: line {number + 1}: {_reason(e)}")
+    return ingest(store, job_id, records, "ckpt"), problems
 
 
 def _reason(e: Exception) -> str:

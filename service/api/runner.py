@@ -21,7 +21,7 @@ from .. import failure
 from ..cluster import NodeInfo, inventory_from_dashboard
 from ..inputs.packages import PackageError, runtime_working_dir
 from .guard import token_hash
-from .records import read_spool, spool_path
+from .records import read_checkpoint_records, read_spool, spool_path
 from .schema import CLAIMED, TERMINAL
 from .store import JobStore
 
@@ -29,6 +29,9 @@ INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
 ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
+# a job's log is a file the CLI and the dashboard read, never a terminal: Ray's process
+# prefixes without colour codes
+JOB_ENV = {"RAY_COLOR_PREFIX": "0"}
 
 
 def _log(message: str) -> None:
@@ -118,6 +121,7 @@ class RayJobRunner:
         self.ingest_spool(job_id, job["spool_offset"])
         status = str(info.status.value)
         if status in TERMINAL:
+            self.ingest_checkpoint_records(job_id)
             reason = self.failure_reason(job_id) if status == "FAILED" else None
             self.store.settle(job_id, status, outcome_message(job_id, info.message, reason),
                               reason)
@@ -164,7 +168,8 @@ class RayJobRunner:
     def runtime_env(self, job: dict) -> dict:
         """The job's environment on Ray: forwarded variables, and its working_dir (an
         uploaded package's directory, which Ray's job API uploads, or a Ray URI)."""
-        env = {"env_vars": {k: os.environ[k] for k in FORWARDED_ENV if k in os.environ}}
+        env = {"env_vars": {**{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ},
+                            **JOB_ENV}}
         if job["spec"].get("working_dir"):
             env["working_dir"] = runtime_working_dir(self.storage, job["spec"]["working_dir"])
         return env
@@ -224,6 +229,15 @@ class RayJobRunner:
                                       offset)
         for problem in problems:
             _log(f"skipped a spool line: {problem}")
+        return stored
+
+    def ingest_checkpoint_records(self, job_id: str) -> int:
+        """The records of the job's checkpointed steps the store lacks: a cancel stops the
+        job before its last reports reach the spool, not before its checkpoint's."""
+        stored, problems = read_checkpoint_records(self.store, job_id,
+                                                   os.path.join(self.storage, job_id))
+        for problem in problems:
+            _log(f"skipped a checkpoint record: {problem}")
         return stored
 
     def stop_quietly(self, job_id: str) -> None:

@@ -4,12 +4,18 @@ Binds ``DMUON_HOST``:``DMUON_PORT`` (default 127.0.0.1:8000; a container sets
 ``DMUON_HOST=0.0.0.0``). Every other setting is read by ``service.api.settings``. The
 settings and the job store are checked before the server starts, so a bad token, URL or
 database file ends the command with the reason, not a traceback.
+
+Ctrl-C or SIGTERM shuts the service down (exit status 0) and stops the local Ray head it
+ran on, unless ``--keep-ray`` (``DMUON_KEEP_RAY=1``) keeps it, and its running jobs, for
+the next ``dmuon-serve``, which re-attaches; ``dmuon-serve --stop-ray`` stops the head
+recorded under ``DMUON_STORAGE``, by PID.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,13 +64,42 @@ def preflight(host: str) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
+def _arguments(argv):
     ap = argparse.ArgumentParser(prog="dmuon-serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--host", default=os.environ.get("DMUON_HOST", "127.0.0.1"))
     ap.add_argument("--port", type=int, default=int(os.environ.get("DMUON_PORT",
                                                                    DEFAULT_PORT)))
     ap.add_argument("--log-level", default=os.environ.get("DMUON_LOG_LEVEL", "info"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--keep-ray", action="store_true",
+                    help="on Ctrl-C or SIGTERM leave the local Ray head (and its running "
+                         "jobs) for the next dmuon-serve to re-attach to (DMUON_KEEP_RAY=1)")
+    ap.add_argument("--stop-ray", action="store_true",
+                    help="stop the local Ray head recorded under DMUON_STORAGE, by PID, "
+                         "and exit (no server)")
+    return ap.parse_args(argv)
+
+
+def stop_ray() -> int:
+    """``--stop-ray``: the recorded head's processes end; others' Ray is left alone."""
+    from ..cluster import STATE_FILE, stop_recorded
+    from .settings import Settings
+
+    storage = Settings().storage
+    head = stop_recorded(storage)
+    if head is None:
+        print(f"dmuon-serve: no local Ray head recorded in {storage}/{STATE_FILE}",
+              file=sys.stderr)
+        return 1
+    print(f"stopped the local Ray head (pid {head.pid}, {head.temp_dir})")
+    return 0
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    if args.stop_ray:
+        return stop_ray()
+    if args.keep_ray:
+        os.environ["DMUON_KEEP_RAY"] = "1"
     # jobs post their metrics here unless the deployment names another address
     reachable = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     os.environ.setdefault("DMUON_SERVICE_URL", f"http://{reachable}:{args.port}")
@@ -78,9 +113,27 @@ def main(argv=None) -> int:
     # their own: the chosen port is then this service's, whatever Ray picks
     sock = _bound_socket(args.host, args.port)
     config = uvicorn.Config("service.api.app:create_app", factory=True, host=args.host,
-                            port=args.port, log_level=args.log_level)
-    uvicorn.Server(config).run(sockets=[sock])
-    return 0
+                            port=args.port, log_level=args.log_level,
+                            # open event streams end after 5 s, so the shutdown (and the
+                            # local head's stop) does not wait on their clients
+                            timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    return 0 if _run_until_signalled(server, sock) or server.started else 1
+
+
+def _run_until_signalled(server, sock) -> bool:
+    """Serve until Ctrl-C or SIGTERM; whether one came. uvicorn shuts down gracefully on
+    either, then raises it again for the handler it found: ours only notes it, so the
+    exit is quiet (no KeyboardInterrupt traceback, no death by SIGTERM)."""
+    caught = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: caught.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return bool(caught)
 
 
 def _bound_socket(host: str, port: int):

@@ -5,7 +5,8 @@
 (``sqlite:///path`` or ``postgresql://user@host/db``) or ``DMUON_DB`` (a SQLite path),
 ``DMUON_STORAGE`` (job directories), ``DMUON_DATA_ROOT`` (where ``data.source`` files
 live; default ``<storage>/data``), ``RAY_ADDRESS`` (unset: a local head, or with
-``DMUON_LOCAL_RAY=0`` only a queue), ``DMUON_LOCAL_CPUS``, ``DMUON_MAX_RUNNING``,
+``DMUON_LOCAL_RAY=0`` only a queue), ``DMUON_LOCAL_CPUS``, ``DMUON_KEEP_RAY`` (the
+local head outlives the service's shutdown), ``DMUON_MAX_RUNNING``,
 ``DMUON_SERVICE_URL`` (where jobs post metrics), ``DMUON_ALLOWED_HOSTS`` (extra Host
 names accepted without a token).
 """
@@ -32,6 +33,7 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(None, validation_alias=AliasChoices("RAY_ADDRESS"))
     local_ray: bool = True
     local_cpus: int = Field(4, ge=1, le=4096)
+    keep_ray: bool = False  # the local head (and its running jobs) outlives a shutdown
     max_running: int = Field(1, ge=1, le=10_000)
     service_url: str = "http://127.0.0.1:8000"
     allowed_hosts: str = ""

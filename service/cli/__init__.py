@@ -2,7 +2,7 @@
 
     dmuon-svc submit job.yaml [--follow] [--dry-run] [--working-dir DIR|gcs://...zip]
     dmuon-svc status [JOB_ID] [--json]
-    dmuon-svc logs [-f] JOB_ID
+    dmuon-svc logs [-f] [--raw] JOB_ID
     dmuon-svc cancel JOB_ID
     dmuon-svc plan job.yaml [--json]
     dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
@@ -22,6 +22,7 @@ import time
 
 import click
 
+from ..failure import strip_ansi
 from ..inputs.packages import RAY_URI, PackageError, zip_directory
 from ..inputs.prepare import add_arguments as prepare_args
 from ..inputs.prepare import run as run_prepare
@@ -129,14 +130,25 @@ def status(job_id: str | None, as_json: bool) -> int:
 @click.argument("job_id")
 @click.option("-f", "--follow", "stream", is_flag=True,
               help="Stream the output until the job ends.")
-def logs(job_id: str, stream: bool) -> int:
-    """The job's driver output (Ray's job logs) for JOB_ID."""
+@click.option("--raw", is_flag=True,
+              help="The log exactly as Ray keeps it, terminal escape codes included.")
+def logs(job_id: str, stream: bool, raw: bool) -> int:
+    """The job's driver output (Ray's job logs) for JOB_ID: a line per step (the loss
+    averaged over the ranks, rank 0's LR and step time), Ray's and the job's warnings
+    and errors in full, and the final summary. Without a terminal on stdout, Ray's
+    colour codes are taken out unless --raw is given."""
+    plain = not raw and not sys.stdout.isatty()
     if not stream:
-        sys.stdout.write(request("GET", f"/v1/jobs/{job_id}/logs"))
+        text = request("GET", f"/v1/jobs/{job_id}/logs")
+        sys.stdout.write(strip_ansi(text) if plain else text)
         return 0
     with request("GET", f"/v1/jobs/{job_id}/logs?follow=true", stream=True) as resp:
-        for chunk in resp.iter_content(chunk_size=None):
-            sys.stdout.write(chunk.decode(errors="replace"))
+        # by line: an escape code split between two chunks is still taken out whole
+        pieces = ((strip_ansi(line.decode(errors="replace")) + "\n"
+                   for line in resp.iter_lines()) if plain else
+                  (chunk.decode(errors="replace") for chunk in resp.iter_content(None)))
+        for piece in pieces:
+            sys.stdout.write(piece)
             sys.stdout.flush()
     return 0
 

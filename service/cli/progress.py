@@ -1,12 +1,13 @@
 """``dmuon-svc submit --follow``: a job's start-up phases, then a tqdm bar of its steps
-with the loss and the ETA, from the job's event stream.
+with the loss (averaged over the ranks, as the dashboard and TensorBoard show it) and
+the ETA, from the job's event stream.
 
 The phases are what the API shows: the job's status and whether a step record came.
 PENDING is *placing* (the service's queue, then Ray's job API); RUNNING before the first
 record is *building* (Ray's workers start, build and shard the model and run the first
-step); the first record ends it (*first step*). Each phase change is a log line with the
-time since following began, so a log file shows where the first 30-50 s went; on a
-terminal a line also counts the seconds of the phase it is in. The ETA counts from the
+step); the first step's records end it (*first step*). Each phase change is a log line
+with the time since following began, so a log file shows where the first 30-50 s went; on
+a terminal a line also counts the seconds of the phase it is in. The ETA counts from the
 first step, so start-up time does not skew it."""
 
 from __future__ import annotations
@@ -41,6 +42,14 @@ def _loss(value) -> str:
     return "non-finite" if value is None or not math.isfinite(value) else f"{value:.4f}"
 
 
+def _mean(values) -> float | None:
+    """The mean; None (shown non-finite) when any value is (stored as null)."""
+    values = list(values)
+    if any(v is None or not math.isfinite(v) for v in values):
+        return None
+    return math.fsum(values) / len(values)
+
+
 class Follower:
     """What ``--follow`` shows for each event. ``interactive``: tqdm bars on
     ``progress`` (a terminal); otherwise a log line per tenth of the steps instead."""
@@ -56,6 +65,7 @@ class Follower:
         self.last_status: dict = {}  # the last status event (a FAILED one may say why)
         self.first: tuple[int, float] | None = None  # (step, time) of the first record
         self.step, self.logged_step = 0, 0
+        self.pending: dict[int, dict] = {}  # step -> {rank: loss} until every rank's came
         self.waiting = self.bar = None
 
     def elapsed(self) -> float:
@@ -82,31 +92,47 @@ class Follower:
         self.waiting.set_description_str(f"{phase}: {short} ...")
 
     def on_record(self, record: dict) -> None:
-        """A metrics event; rank 0's records move the bar."""
-        if record.get("rank") != 0 or record.get("step", 0) <= self.step:
+        """A metrics event. A step moves the bar once every rank's record of it has come
+        (the layout in the record says how many), with the loss averaged over the ranks,
+        as the dashboard and TensorBoard show it; records without a layout (older
+        services) move it on rank 0's loss."""
+        step = record.get("step", 0)
+        if step <= self.step:
             return
-        step, now = record["step"], self.clock()
+        layout = record.get("layout")
+        if not layout:
+            if record.get("rank") == 0:
+                self._show(step, record.get("loss"))
+            return
+        losses = self.pending.setdefault(step, {})
+        losses[record.get("rank")] = record.get("loss")
+        if len(losses) >= layout[0] * layout[1]:
+            self.pending = {s: v for s, v in self.pending.items() if s > step}
+            self._show(step, _mean(losses.values()))
+
+    def _show(self, step: int, loss) -> None:
+        now = self.clock()
         if self.first is None:
-            self._first_step(step, now, record)
+            self._first_step(step, now, loss)
         self.step = step
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
-            self.bar.set_postfix_str(f"loss {_loss(record.get('loss'))}")
+            self.bar.set_postfix_str(f"loss {_loss(loss)}")
         elif self._milestone(step):
             self.logged_step = step
-            log.info("step %d/%d  loss %s  ETA %s", step, self.total,
-                     _loss(record.get("loss")), self.eta(now))
+            log.info("step %d/%d  loss %s  ETA %s", step, self.total, _loss(loss),
+                     self.eta(now))
 
     def _milestone(self, step: int) -> bool:
         """The last step, or the first to reach another multiple of a tenth of the steps."""
         every = max(1, self.total // 10)
         return step >= self.total or step // every > self.logged_step // every
 
-    def _first_step(self, step: int, now: float, record: dict) -> None:
+    def _first_step(self, step: int, now: float, loss) -> None:
         self.first, self.logged_step = (step, now), step
         self.phase = "training"
         log.info("first step (%.0f s): step %d, loss %s", now - self.started, step,
-                 _loss(record.get("loss")))
+                 _loss(loss))
         if self.waiting is not None:
             self.waiting.close()
             self.waiting = None

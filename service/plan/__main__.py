@@ -10,16 +10,19 @@ import torch
 from ..cluster import synthetic_inventory
 from ..models.dtypes import DTYPES
 from ..spec import parse_spec
+from ..spec.recipe import DMuonSpec
 from .modes import DEFAULT_GPU_GB, GB
 from .predict import BANDWIDTH, predict
 
 
-def main(argv=None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description="the layout, predictions and mode of a model")
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--mode", choices=("auto", "z2", "z3"), default="auto")
+    # the spec's default, as REST and dmuon-svc take it; auto: the planner decides
+    ap.add_argument("--mode", choices=("auto", "z2", "z3"),
+                    default=DMuonSpec.model_fields["mode"].default)
     ap.add_argument("--master-dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
@@ -30,7 +33,11 @@ def main(argv=None) -> None:
     ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
     precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
                  "reduce_dtype": args.reduce_dtype}
     spec = parse_spec({"model": args.model, "precision": precision,

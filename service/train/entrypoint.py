@@ -8,8 +8,9 @@ can still hold it, and completes a plan the control plane deferred (a model only
 job can import); without, it plans on the cluster it finds. Either way an impossible
 layout, or an input path or size that cannot run (``service.inputs``), is refused with
 the reason before any worker starts. ``--export-only`` exports the newest checkpoint.
-Prints one JSON line per step (every rank's record) and a final summary; exits non-zero
-on failure.
+Prints one line per step (``service.train.reports.step_line``: the loss averaged over
+the ranks, rank 0's LR and step time) and a final JSON summary; exits non-zero on
+failure. Every rank's record is in ``<storage>/<job>/metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import time
@@ -65,6 +67,24 @@ def connect_ray(num_cpus: int | None = None) -> None:
                  dashboard_host="127.0.0.1")
 
 
+def local_cpus(spec, given: int | None = None) -> int:
+    """The CPUs of a local Ray started here: ``given`` (``--num-cpus``), else
+    ``DMUON_LOCAL_CPUS`` (the control plane's local head reads it too), else the
+    machine's CPUs or what the spec's explicit layout asks for, whichever is more: Ray
+    counts logical CPUs, so a 2 x 2 job runs on a 2-core machine as the control plane's
+    head runs it (4 by default)."""
+    if given is not None:
+        return given
+    if os.environ.get("DMUON_LOCAL_CPUS"):
+        return int(os.environ["DMUON_LOCAL_CPUS"])
+    lay = spec.layout
+    workers = (lay.replicate * lay.shard if lay.replicate and lay.shard else
+               lay.nodes * lay.workers_per_node if "auto" not in (lay.nodes,
+                                                                   lay.workers_per_node)
+               else 0)
+    return max(os.cpu_count() or 1, math.ceil(workers * spec.resources_per_worker.CPU))
+
+
 def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocument:
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
@@ -101,7 +121,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             post_url: str | None = None, token: str | None = None, export_only=False,
             plan_url: str | None = None):
     """Fit a TorchTrainer on the layout; returns (ray Result, layout, last step reported)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from . import layouts, tracking
@@ -137,6 +157,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
             # checkpoints are stored once, in <job>/dcp, never handed to Ray Train: a
             # restarted group resumes from the newest committed one there
             failure_config=FailureConfig(max_failures=spec.max_failures),
+            # Ray Train's own INFO lines (every rank's every report, in full) stay in
+            # its session log files; its warnings and errors still reach the job's log
+            logging_config=LoggingConfig(log_level="WARNING"),
             callbacks=[metrics, *tracking.callbacks(spec, job_dir, plan.scaling.num_workers,
                                                     export_only), *waits],
         ),
@@ -201,7 +224,10 @@ def _arguments(argv):
     ap.add_argument("--data-root", default=os.environ.get("DMUON_DATA_ROOT"),
                     help="where data.source files live (default <storage>/data)")
     ap.add_argument("--job-id", default=os.environ.get("DMUON_JOB_ID"))
-    ap.add_argument("--num-cpus", type=int, default=None, help="local Ray only")
+    ap.add_argument("--num-cpus", type=int, default=None,
+                    help="CPUs of the local Ray this starts when RAY_ADDRESS is unset "
+                         "(default: DMUON_LOCAL_CPUS, else the machine's CPUs or the "
+                         "spec's workers x resources_per_worker.CPU, whichever is more)")
     ap.add_argument("--metrics-url", default=os.environ.get("DMUON_METRICS_URL"))
     ap.add_argument("--plan-url", default=None,
                     help="where to store a plan this entrypoint completes (the control plane)")
@@ -257,7 +283,7 @@ def _run(args, spec, plan, inputs, token) -> int:
         failure_reason(e, failed)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    connect_ray(args.num_cpus)
+    connect_ray(local_cpus(spec, args.num_cpus))
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
@@ -273,7 +299,10 @@ def _run(args, spec, plan, inputs, token) -> int:
                            reason=failure_reason(result.error, failed))
     except PlacementError as e:
         failure_reason(e, failed)
-        print(f"error: layout refused: {e}", file=sys.stderr)
+        hint = "" if os.environ.get("RAY_ADDRESS") else (
+            " (the local Ray started here has the CPUs --num-cpus or DMUON_LOCAL_CPUS "
+            "gives it)")
+        print(f"error: layout refused: {e}{hint}", file=sys.stderr)
         return 2
     except (ParamRuleError, SpecError) as e:
         failure_reason(e, failed)

@@ -1,8 +1,9 @@
 """The final weights as sharded safetensors plus ``config.json``, written collectively:
 every tensor is written by one rank that already holds it or a part of it, and only the
 other parts of that one tensor travel to it (point-to-point). Nothing is gathered to one
-rank. Hugging Face models load the directory with ``from_pretrained``; the rest with
-``safetensors`` (``model.safetensors.index.json`` maps each tensor to its file).
+rank. Hugging Face models load the directory with ``from_pretrained``; the built-in and
+factory models with ``service.models.exported.load_exported`` (``safetensors`` and the
+model class; ``model.safetensors.index.json`` maps each tensor to its file).
 
 Dedicated matrices are written by their owner from its master; a 3-D expert tensor split
 into slices of experts by the owner of one slice, which receives the others; FSDP2
@@ -129,6 +130,18 @@ def _collect(entry: Entry, rank: int, dtype: torch.dtype, device) -> torch.Tenso
     return torch.cat(parts).cpu().contiguous() if len(parts) > 1 else parts[0].cpu().contiguous()
 
 
+def _umask() -> int:
+    """This process's umask, read without changing it (Linux reports it in /proc)."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
+
+
 def export(model: nn.Module, mesh, out_dir: str, *, dtype: torch.dtype, write_config) -> str:
     """Write the model to ``out_dir`` (replacing it); collective. ``write_config(dir)``
     runs on rank 0 and writes ``config.json``."""
@@ -153,7 +166,11 @@ def export(model: nn.Module, mesh, out_dir: str, *, dtype: torch.dtype, write_co
         os.makedirs(partial)
     dist.barrier()
     if mine:
-        save_file(mine, os.path.join(partial, names[rank]), metadata={"format": "pt"})
+        path = os.path.join(partial, names[rank])
+        save_file(mine, path, metadata={"format": "pt"})
+        # safetensors writes a private temporary file and renames it (mode 0600): make
+        # it as readable as config.json beside it
+        os.chmod(path, 0o666 & ~_umask())
     dist.barrier()
     if rank == 0:
         itemsize = torch.empty(0, dtype=dtype).element_size()

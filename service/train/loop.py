@@ -222,8 +222,8 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
             record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
-            path = nonfinite.last_good = checkpoints.save(spec, checkpoint_dir, step + 1,
-                                                          model, opt)
+            path = nonfinite.last_good = checkpoints.save(
+                spec, checkpoint_dir, step + 1, model, opt, record=record, job_dir=job_dir)
         report(record, path)
         nonfinite.check()
     progress.update(phase="export", step=None)
@@ -254,6 +254,9 @@ def train_loop_per_worker(config: dict) -> None:
     step, frames) in the job's failure file, first writer wins, then re-raised."""
     import ray.train
 
+    from .reports import quiet_worker_reports
+
+    quiet_worker_reports()
     progress: dict = {"phase": "setup", "step": None}
     try:
         _worker(config, progress)
