@@ -281,9 +281,11 @@ def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     ran = {}  # what main would bind and serve (nothing binds here: 0.0.0.0 is no loopback)
     monkeypatch.setattr(service.api.serve, "_bound_socket",
                         lambda host, port: ran.update(bound=(host, port)) or "socket")
-    monkeypatch.setattr(uvicorn.Server, "run",
-                        lambda self, sockets=None: ran.update(config=self.config,
-                                                              sockets=sockets))
+    def run(self, sockets=None):  # a server that started, served, and was stopped
+        ran.update(config=self.config, sockets=sockets)
+        self.started = True
+
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     assert service.api.serve.main([]) == 0
     port, config = container["ports"][0], ran["config"]
     assert config.port == port["containerPort"] == service.api.serve.DEFAULT_PORT
