@@ -54,20 +54,20 @@ def _tp_group(state):
     return (tp.group, tp.size) if tp is not None else (None, 1)
 
 
-def _squares(state, model, acc) -> torch.Tensor:
-    """Summed squares of [owned TP shards, owned whole, FSDP2 TP-split, FSDP2 rest]:
-    the first and third are parts of a matrix split over the TP group, the others
-    copies its T ranks all hold."""
-    sq = torch.zeros(4, dtype=acc, device=state.ctx.device)
+def _squares(state, model, acc, T: int) -> torch.Tensor:
+    """Summed squares of [owned, FSDP2] gradients. Under tensor parallelism a part of a
+    matrix split over the TP group counts in full (the TP sum adds the other parts),
+    a tensor that the group's T ranks all hold counts 1/T on each."""
+    sq = torch.zeros(2, dtype=acc, device=state.ctx.device)
     for b in state.boundaries:
         for m in b.owned:
             g = b.masters[m.fqn].grad
             if g is not None:
-                sq[0 if m.tp is not None else 1] += g.to(acc).pow(2).sum()
+                sq[0] += g.to(acc).pow(2).sum() / (1 if m.tp is not None else T)
     for p in model.parameters():
         if not is_dedicated(p) and p.grad is not None:
             local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            sq[2 if _tp_sharded(p.grad) else 3] += local.to(acc).pow(2).sum()
+            sq[1] += local.to(acc).pow(2).sum() / (1 if _tp_sharded(p.grad) else T)
     return sq
 
 
@@ -96,14 +96,14 @@ def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2
     grads, ctx = _gradients(state, model), state.ctx
     # squares summed in at least fp32 (bf16 gradients under mixed precision)
     acc = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    sq = _squares(state, model, acc)
+    tp_group, T = _tp_group(state)
+    sq = _squares(state, model, acc, T)
     comm.wait(comm.all_reduce_sum(sq, ctx.reduce_group, ctx.ledger, "shard", "step"))
     if ctx.replicate_size > 1:
         comm.wait(comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step"))
-    tp_group, T = _tp_group(state)
     if tp_group is not None:
         comm.wait(comm.all_reduce_sum(sq, tp_group, ctx.ledger, "tp", "step"))
-    total = (sq[0] + sq[1] / T + (sq[2] + sq[3] / T) / ctx.replicate_size).sqrt()
+    total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
     coef = float(max_norm) / (total.item() + eps)
