@@ -71,22 +71,24 @@ def reference_optimizers(muon, others, adjust_lr_fn=None) -> list:
                               eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
 
 
-def reference_train(model, opts, batches) -> tuple[dict, list[float]]:
+def reference_train(model, opts, batches, loss=None) -> tuple[dict, list[float]]:
     """Train ``model`` in one process with ``opts`` (each under the tests' LR schedule),
-    Newton-Schulz in float64; returns its final state dict and the losses."""
+    Newton-Schulz in float64; returns its final state dict and the losses.
+    ``loss(model, batch)``: the built-in model's next-token loss unless given."""
+    loss = loss or loss_of
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
     losses = []
     with reference_ns():
         for batch in batches:
-            loss = loss_of(model, batch)
-            loss.backward()
+            value = loss(model, batch)
+            value.backward()
             for o in opts:
                 o.step()
             for s in scheds:
                 s.step()
             for o in opts:
                 o.zero_grad()
-            losses.append(loss.item())
+            losses.append(value.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 

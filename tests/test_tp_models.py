@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns
+from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
 
 import dmuon
 from dmuon.testing import run
@@ -95,22 +95,9 @@ def reference(kind):
     model = make(kind)
     muon = [p for n, p in model.named_parameters() if predicate(n, p)]
     others = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
-                             momentum=h["momentum"], nesterov=h["nesterov"]),
-            torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
-    with reference_ns(fp64_newton_schulz):
-        for tokens in batches():
-            loss_of(model, tokens).backward()
-            for o in opts:
-                o.step()
-            for sch in scheds:
-                sch.step()
-            for o in opts:
-                o.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    final, _ = reference_train(model, reference_optimizers(muon, others), batches(),
+                               loss=loss_of)
+    return final
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from _train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns
+from _train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
@@ -146,11 +146,7 @@ def reference(start_state=None, start=0, steps=STEPS) -> dict:
     model = net()
     muon = [p for n, p in model.named_parameters() if predicate(n, p)]
     others = [p for n, p in model.named_parameters() if not predicate(n, p)]
-    h = HPARAMS
-    opts = [torch.optim.Muon(muon, lr=h["lr"], weight_decay=h["weight_decay"],
-                             momentum=h["momentum"], nesterov=h["nesterov"]),
-            torch.optim.AdamW(others, lr=h["adamw_lr"], betas=h["adamw_betas"],
-                              eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
+    opts = reference_optimizers(muon, others)
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
     states = {}
     with reference_ns(fp64_newton_schulz):
