@@ -101,7 +101,7 @@ def _count_pairs(module, before: list, after) -> None:
     state = _active_state(module)
     if state is None:
         return
-    for b, a in zip(before, [t for t in tree_leaves(after) if isinstance(t, torch.Tensor)]):
+    for b, a in zip(before, _tensors(after)):
         tp = [t for t in (b, a) if isinstance(t, DTensor) and t.device_mesh.ndim == 1]
         if b is not a and tp:
             _count_conversion(state, b, a)

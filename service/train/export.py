@@ -25,6 +25,7 @@ import dmuon
 from dmuon.state_dict import canonical_fqn
 
 from ..plan.layout import fsdp2_rows
+from .mesh import tp_size
 
 INDEX = "model.safetensors.index.json"
 
@@ -85,7 +86,7 @@ def _gathered_entries(model: nn.Module, rank: int) -> list[Entry]:
 
 def _entries(model: nn.Module, mesh) -> list[Entry]:
     rank = dist.get_rank()
-    if "tp" in (mesh.mesh_dim_names or ()):
+    if tp_size(mesh) > 1:
         return _gathered_entries(model, rank)
     dedicated = _dedicated_entries(model, mesh, rank)
     entries = []

@@ -27,7 +27,7 @@ from . import checkpoints, layouts, recipe
 from .capacity import CapacityWatch, ray_capacity
 from .data import Batches
 from .export import export
-from .mesh import build_mesh, device
+from .mesh import build_mesh, device, tp_size
 from .metrics import flops_per_token, peak_flops, step_record
 from .weights import load_weights
 
@@ -148,10 +148,6 @@ class NonfiniteSteps:
                 f"gradient (more than max_nonfinite_steps={self.allowed}); not finite on "
                 f"rank(s) {', '.join(map(str, ranks))}; last good checkpoint: "
                 f"{self.last_good or 'none (no checkpoint committed yet)'}")
-
-
-def tp_size(mesh: DeviceMesh) -> int:
-    return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
 
 
 def _layout(mesh: DeviceMesh) -> tuple[list[int], list[int], int, int]:

@@ -60,3 +60,8 @@ def build_mesh(replicate: int, shard: int, tp: int = 1) -> tuple[DeviceMesh, lis
                           mesh_dim_names=("replicate", "shard")), node_ids
     return DeviceMesh(device().type, tp_groups(rows, tp, node_ids),
                       mesh_dim_names=("replicate", "shard", "tp")), node_ids
+
+
+def tp_size(mesh: DeviceMesh) -> int:
+    """T of a (replicate, shard, tp) mesh; 1 for a (replicate, shard) one."""
+    return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
