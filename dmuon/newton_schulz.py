@@ -34,7 +34,8 @@ POLAR_EXPRESS = [(a / 1.01, b / 1.01**3, c / 1.01**5) for a, b, c in _POLAR_EXPR
 POLAR_EXPRESS.append(_POLAR_EXPRESS_RAW[-1])
 # The seeds' reference implementation's default schedule: the first five Polar Express
 # polynomials above, damped by a safety factor of 1.05 instead of 1.01
-# (X-Square-Robot/dmuon, dmuon/optim/newton_schulz.py); pass it as ns_coefficients.
+# (https://github.com/X-Square-Robot/dmuon/blob/f002f24/dmuon/optim/newton_schulz.py,
+# _SAFETY_FACTOR); pass it as ns_coefficients.
 POLAR_EXPRESS_COEFFICIENTS = [(a / 1.05, b / 1.05**3, c / 1.05**5)
                               for a, b, c in _POLAR_EXPRESS_RAW[:5]]
 # Jiacheng You's per-iteration quintic coefficients, as the reference exports them.

@@ -211,7 +211,7 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
                                                                               tmp_path):
     svc = stack
     open(os.path.join(svc.holds, "step_3"), "w").close()
-    # this job's blocks run under torch.compile (inductor); tests/test_compile.py holds
+    # this job's blocks run under torch.compile (inductor); tests/core/test_compile.py holds
     # compiled runs to eager ones
     status, job = svc.request("POST", "/v1/jobs", {"spec": {**SPEC, "compile": True}})
     assert status == 201 and job["status"] == "PENDING"

@@ -1,5 +1,7 @@
-"""The README and docs/ stay true: the README's size, the links, and every make target,
-module, flag, CLI option, `dmuon` name, job spec and benchmark table they show.
+"""The README, docs/ and deploy/README.md stay true: the README's size, the links, and
+every make target, module, flag, CLI option, `dmuon` name, job spec and benchmark table
+they show; and every repository path or module they, or a comment or docstring of the
+project's Python files, name exists.
 
 Nothing here runs a command (no Ray, no network); each check reads the names and flags a
 command uses from the code that defines them."""
@@ -7,13 +9,16 @@ command uses from the code that defines them."""
 from __future__ import annotations
 
 import ast
+import functools
 import importlib
 import importlib.util
 import inspect
+import io
 import json
 import pathlib
 import re
 import subprocess
+import tokenize
 
 import pytest
 import yaml
@@ -21,12 +26,26 @@ import yaml
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
-DOCS = [README, *PAGES, ROOT / "CHANGELOG.md"]
+DEPLOY = ROOT / "deploy" / "README.md"
+DOCS = [README, *PAGES, DEPLOY, ROOT / "CHANGELOG.md"]
 # pages that describe the current API (the changelog names what was, migration.md the
 # reference implementation's names)
 API_PAGES = [README] + [ROOT / "docs" / p for p in ("core.md", "jobs.md", "correctness.md")]
 FENCE = re.compile(r"^```([^\n]*)\n(.*?)^```", re.S | re.M)
-REPO_PATH = re.compile(r"(?<![\w./<-])((?:dmuon|service|bench|tests|deploy|docs)/[\w./-]*)")
+# a path or module of this repository: not inside a URL or another path (/tmp/dmuon/..., a
+# `X-Square-Robot/dmuon` name) and not an attribute (`self.service`)
+REPO_PATH = re.compile(r"(?<![\w./<:-])((?:dmuon|service|bench|tests|deploy|docs)/[\w./-]*)")
+# `a.b/c` is two names in short (`dmuon.get/set_model_state_dict`): neither is checked
+REPO_MODULE = re.compile(
+    r"(?<![\w./<:-])((?:dmuon|service|bench|tests)(?:\.[A-Za-z_]\w*)+)(?![\w/])")
+UP_PATH = re.compile(r"(?<![\w./-])((?:\.\./)+\w[\w./-]*)")
+# `dmuon.db`, `bench.json`: a file's name, not a module
+FILE_SUFFIXES = {"db", "json", "jsonl", "md", "py", "toml", "txt", "yaml", "yml"}
+SOURCES = ("dmuon", "service", "tests", "bench", "deploy")
+
+
+def doc_id(doc: pathlib.Path) -> str:
+    return str(doc.relative_to(ROOT))
 
 
 def blocks(doc: pathlib.Path) -> list[str]:
@@ -62,7 +81,7 @@ def test_every_docs_page_is_linked_from_the_readme():
     assert PAGES and [p.name for p in PAGES if p.resolve() not in linked] == []
 
 
-@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
 def test_links_point_to_files_and_headings_that_exist(doc):
     broken = []
     for link in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
@@ -79,12 +98,152 @@ def test_links_point_to_files_and_headings_that_exist(doc):
     assert broken == []
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if d.name != "migration.md"],
-                         ids=lambda p: p.name)
+@functools.cache
+def _defines(file: pathlib.Path) -> set[str]:
+    """The names a module binds at its top level (defs, classes, assignments, imports)."""
+    names = set()
+    for node in ast.parse(file.read_text()).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    return names
+
+
+@functools.cache
+def _spec_dmuon_keys() -> frozenset[str]:
+    """The keys of a job spec's `dmuon:` section (`dmuon.mode` names one, not a module)."""
+    from service.spec import JobSpec
+
+    return frozenset(JobSpec.model_fields["dmuon"].annotation.model_fields)
+
+
+def module_exists(dotted: str) -> bool:
+    """`a.b.c`: folders and modules down to a module, then one name that it defines."""
+    parts = dotted.split(".")
+    if parts[0] == "dmuon" and len(parts) == 2 and parts[1] in _spec_dmuon_keys():
+        return True
+    here = ROOT
+    for i, part in enumerate(parts):
+        if (here / part).is_dir():
+            here = here / part
+        elif (here / f"{part}.py").is_file():
+            return i + 1 == len(parts) or parts[i + 1] in _defines(here / f"{part}.py")
+        else:
+            init = here / "__init__.py"
+            return init.is_file() and part in _defines(init)
+    return True
+
+
+def named_paths(text: str) -> set[str]:
+    """The repository paths and dotted modules a text names; of a pattern
+    (`bench/results/<bench>_<date>.md`, `overlap*.json`), the folder it is in."""
+    named = set()
+    for m in REPO_PATH.finditer(text):
+        path = m.group(1).rstrip(".,:;")
+        if text[m.end():m.end() + 1] in ("<", "*", "{", "["):
+            path = path.rpartition("/")[0] + "/"
+        named.add(path)
+    return named | {m.rstrip(".") for m in REPO_MODULE.findall(text)}
+
+
+def _exists(name: str) -> bool:
+    if "/" not in name:
+        return name.rpartition(".")[2] in FILE_SUFFIXES or module_exists(name)
+    # a path, or a module's name in a file (`tests/_elastic.GROW_COUNTS`)
+    file, _, attr = name.rpartition(".")
+    return (ROOT / name).exists() or ((ROOT / f"{file}.py").is_file()
+                                      and attr in _defines(ROOT / f"{file}.py"))
+
+
+def stale_paths(text: str, folder: pathlib.Path = ROOT) -> list[str]:
+    """What `text`, found in `folder`, names that the repository does not hold: its
+    repository paths and modules, less the paths git ignores (a bench's output, such as
+    bench/results/api.json, is made when the bench runs), and its `../` paths that lead out
+    of the repository or to nothing."""
+    missing = sorted(p for p in named_paths(text) if not _exists(p))
+    paths = "\n".join(p for p in missing if "/" in p)
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", "--stdin"], cwd=ROOT,
+                             input=paths, capture_output=True, text=True).stdout.split()
+    up = [p for p in UP_PATH.findall(text) if not _in_the_repository(folder / p)]
+    return [p for p in missing if p not in ignored] + sorted(up)
+
+
+def _in_the_repository(path: pathlib.Path) -> bool:
+    return path.exists() and path.resolve().is_relative_to(ROOT)
+
+
+def python_prose(source: str) -> str:
+    """The comments and docstrings of a Python file, one text."""
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    parts = [t.string for t in tokens if t.type == tokenize.COMMENT]
+    kinds = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
+    parts += [ast.get_docstring(n, clean=False) or "" for n in ast.walk(ast.parse(source))
+              if isinstance(n, kinds)]
+    return "\n".join(parts)
+
+
+def python_files() -> list[pathlib.Path]:
+    """The project's Python files, tracked or new (not ignored)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                             "--", *(f"{d}/*.py" for d in SOURCES)], cwd=ROOT, check=True,
+                            capture_output=True, text=True).stdout.split()
+    return [ROOT / p for p in listed if (ROOT / p).is_file()]
+
+
+def stale_in_comments(files: list[pathlib.Path]) -> dict[str, list[str]]:
+    """File -> the stale paths its comments and docstrings name, for the files with any."""
+    stale = {str(f): stale_paths(python_prose(f.read_text()), f.parent) for f in files}
+    return {f: s for f, s in stale.items() if s}
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=doc_id)
 def test_repository_paths_named_in_the_text_exist(doc):
-    named = {m.rstrip(".,:") for s in spans(doc) for m in REPO_PATH.findall(s)}
-    named = {p for p in named if not p.startswith("bench/results/") and "*" not in p}
-    assert sorted(p for p in named if not (ROOT / p).exists()) == []
+    assert stale_paths(doc.read_text(), doc.parent) == []
+
+
+def test_repository_paths_named_in_comments_and_docstrings_exist():
+    files = python_files()
+    assert len(files) > 100 and ROOT / "tests" / "test_docs.py" in files
+    assert stale_in_comments(files) == {}
+
+
+# Planted: the same checks on a copy with stale names added, beside names that are not
+# this repository's (a URL, another machine's path, a glob, an ignored output, a spec key)
+PLANTED = ("`service/entrypoint.py`", "`service.entrypoint.TorchConfig`",
+           "`tests/test_compile.py`", "`../shared/seeds/`")
+NOT_OURS = ("https://github.com/X-Square-Robot/dmuon/blob/f002f24/dmuon/optim/muon.py",
+            "`/tmp/dmuon/service/x.py`", "`bench/results/overlap*.json`",
+            "`bench/results/api.json`", "`dmuon.mode: auto`", "`dmuon.db`")
+
+
+def test_a_stale_path_planted_in_deploy_readme_fails_the_check(tmp_path):
+    copy = tmp_path / "deploy" / "README.md"
+    copy.parent.mkdir()
+    copy.write_text(DEPLOY.read_text() + "\n".join(("", *NOT_OURS, "")))
+    test_repository_paths_named_in_the_text_exist(copy)
+    copy.write_text(copy.read_text() + "The timeout is set in `service/entrypoint.py`.\n")
+    with pytest.raises(AssertionError, match="service/entrypoint.py"):
+        test_repository_paths_named_in_the_text_exist(copy)
+    copy.write_text(copy.read_text() + "\n".join(PLANTED))
+    assert stale_paths(copy.read_text(), DEPLOY.parent) == [
+        "service.entrypoint.TorchConfig", "service/entrypoint.py", "tests/test_compile.py",
+        "../shared/seeds/"]
+
+
+def test_a_stale_path_planted_in_a_comment_or_docstring_fails_the_check(tmp_path):
+    source = (ROOT / "tests" / "_model.py").read_text()
+    (tmp_path / "as_is.py").write_text(source + "\n".join(f"# {n}" for n in NOT_OURS))
+    (tmp_path / "comment.py").write_text(source + "# see service/train/models.py\n")
+    (tmp_path / "docstring.py").write_text(
+        source + 'def f():\n    """Like service.train.models.build."""\n')
+    (tmp_path / "code.py").write_text(source + 'PATH = "service/train/models.py"\n')
+    stale = stale_in_comments(sorted(tmp_path.iterdir()))
+    assert stale == {str(tmp_path / "comment.py"): ["service/train/models.py"],
+                     str(tmp_path / "docstring.py"): ["service.train.models.build"]}
 
 
 def test_make_targets_exist():
@@ -155,7 +314,7 @@ def resolves(dotted: str) -> bool:
     return True
 
 
-@pytest.mark.parametrize("doc", API_PAGES, ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", API_PAGES, ids=doc_id)
 def test_dmuon_names_exist(doc):
     names = {n for s in code(doc)
              for n in re.findall(r"(?<![\w.])dmuon\.([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)", s)}

@@ -3,7 +3,7 @@ without Ray): rank 2's loss turns NaN at chosen steps. A skipped step is marked 
 rank's record with the ranks named; more than ``max_nonfinite_steps`` in a row fail the
 job on every rank alike, naming the step, the rank and the last good checkpoint (the
 first failing rank's message becomes the job's reason: tests/test_failure_reason.py).
-The skip itself is held to a run that never saw the batch in tests/test_nonfinite.py.
+The skip itself is held to a run that never saw the batch in tests/core/test_nonfinite.py.
 """
 
 from __future__ import annotations

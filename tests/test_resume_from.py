@@ -3,7 +3,7 @@ optimizer state, step) on another layout, its LR schedule and data order going o
 that step. The training loop a Ray worker runs, on 4 gloo ranks without Ray: job A on
 1x4 checkpoints steps 4 and 6; job B resumes from A's step 4 (a path) on 2x2, job D from
 job A by its id (its newest, step 6), and both end within 1e-9 (relative, per tensor:
-the bound of tests/test_checkpoint.py's resharded loads, README "Correctness") of an
+the bound of tests/core/test_checkpoint.py's resharded loads, README "Correctness") of an
 uninterrupted 10-step 2x2 run. In float64 the layouts change only the order of the
 reductions; both layouts give every rank the same rows of the global batch. B restarted
 from its own step-8 checkpoint ends ``torch.equal`` to B. Bad values are refused, naming

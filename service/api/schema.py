@@ -39,7 +39,7 @@ jobs = Table(
     Column("idempotency_key", String(256), unique=True),
     Column("message", Text),
     # why a FAILED job failed: JSON {type, message, rank, step, phase, frames, source,
-    # time} (service/train/failure.py), NULL when no exception is known (migration 0002)
+    # time} (service/failure.py), NULL when no exception is known (migration 0002)
     Column("reason", Text),
     Column("created", Float, nullable=False),
     Column("updated", Float, nullable=False),
