@@ -78,7 +78,8 @@ def local_cpus(spec, given: int | None = None) -> int:
     if os.environ.get("DMUON_LOCAL_CPUS"):
         return int(os.environ["DMUON_LOCAL_CPUS"])
     lay = spec.layout
-    workers = (lay.replicate * lay.shard if lay.replicate and lay.shard else
+    tp = lay.tp if lay.tp != "auto" else 1
+    workers = (lay.replicate * lay.shard * tp if lay.replicate and lay.shard else
                lay.nodes * lay.workers_per_node if "auto" not in (lay.nodes,
                                                                    lay.workers_per_node)
                else 0)
@@ -104,14 +105,15 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
         placement = predict(spec, nodes, model_inputs=model_inputs)
         return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
     if plan.elastic is not None:  # Ray Train waits for the range's smallest count of nodes
-        check_fits(Layout(replicate=1, shard=plan.layout.shard, nodes=1), spec, nodes)
+        check_fits(Layout(replicate=1, shard=plan.layout.shard, tp=plan.layout.tp, nodes=1),
+                   spec, nodes)
         return plan
     check_fits(plan.layout, spec, nodes)
     if plan.complete:
         return plan
     lay = plan.layout
     placement = predict(spec, nodes, model_inputs=model_inputs,
-                        layout=(lay.nodes, lay.replicate, lay.shard))
+                        layout=(lay.nodes, lay.replicate, lay.shard, lay.tp))
     completed = placement_document(placement, plan.inventory.model_dump())
     return completed.model_copy(update={"completed_by": "entrypoint"})
 
