@@ -97,7 +97,7 @@ class Placement:
 
     @property
     def z2_packed_bytes(self) -> int:
-        plan = self.local or self.plan
+        plan = self.local if self.local is not None else self.plan
         return plan.total_elements * DTYPES[self.spec.precision.compute].itemsize
 
 
