@@ -192,8 +192,9 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     others = view.local_shapes(model, [n for n, _ in model.named_parameters()
                                        if not split.predicate(n)])
     modes = choose_mode(spec, model, split, local, others, nodes, N, view)
-    links = {"shard": intra_link if N > 1 else "loopback", "replicate": inter_link,
-             "tp": intra_link}
+    spans_nodes = N * T > R * N * T // n_nodes  # a shard group over several nodes
+    links = {"shard": inter_link if spans_nodes else intra_link if N > 1 else "loopback",
+             "replicate": inter_link, "tp": intra_link}
     bw = {dim: {**BANDWIDTH, **(bandwidth or {})}[link] for dim, link in links.items()}
     ranks = _ranks(spec, plan, local, others, modes, view, (R, N), batch, bw)
     return Placement(spec, n_nodes, R, N, plan, ranks, split.to_dict(), modes, tp=T,
