@@ -47,6 +47,18 @@ def _partition(R: int, N: int) -> dict:
                            replicate_size=R).to_dict()["params"]
 
 
+@pytest.mark.parametrize("change,says", [
+    ({"layout": {"tp": 0}}, "layout.tp"),
+    ({"layout": {"tp": "most"}}, "layout.tp"),
+    ({"layout": {"tp": 2}, "model": {"hf_arch": "LlamaForCausalLM", "config": {},
+                                     "weights": "ckpt"}},
+     "layout.tp=2 with model.weights"),
+])
+def test_bad_tp_specs_are_refused_naming_the_field(change, says):
+    with pytest.raises(SpecError, match=says):
+        parse_spec({"model": "tiny", **change})
+
+
 def test_layouts_put_tp_groups_inside_a_node_and_scale_to_r_n_t():
     p = predict(tiny({"tp": 2}), cpus(2, 4))
     assert (p.replicate, p.shard, p.tp, p.world_size) == (2, 2, 2, 8)

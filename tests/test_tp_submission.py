@@ -67,3 +67,31 @@ def test_a_degree_that_runs_is_planned_as_r_x_n_x_t(svc):
     assert [r["coord"] for r in part["ranks"]] == [[0, 0, 0], [0, 0, 1], [0, 1, 0],
                                                    [0, 1, 1]]
     assert part["tp_size"] == 2 and "tp" in part["ranks"][0]["ledger"]
+
+
+def test_the_dashboard_shows_r_x_n_x_t_and_each_ranks_coordinate(svc):
+    from _browser import page_with_errors
+
+    status, job = _submit(svc, {"model": "tiny", "layout": {"tp": 2}})
+    assert status == 201, job
+    coords = [[0, 0, 0], [0, 0, 1], [0, 1, 0], [0, 1, 1]]
+    event = {"reason": "start", "previous": None, "layout": [1, 2, 2], "resumed_from": 0,
+             "steps_lost": 0}
+    records = [{"job_id": job["id"], "step": 1, "rank": rank, "loss": 5.0, "coord": coord,
+                "layout": [1, 2, 2], "layout_event": event if rank == 0 else None}
+               for rank, coord in enumerate(coords)]
+    assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)[1] == {"inserted": 4}
+    with page_with_errors() as (page, errors):
+        page.goto(f"{svc.url}/#job={job['id']}")
+        page.wait_for_function("document.getElementById('job-facts').innerText"
+                               ".includes('running')", timeout=60_000)
+        facts = page.locator("#job-facts").inner_text()
+        assert "layout\n1 x 2 x 2 (replicate x shard x tp)" in facts
+        assert "running\n1 x 2 x 2" in facts
+        assert page.locator("#ownership-chart .barlayer .point").count() == 4
+        owners = page.locator("#owners h3").all_inner_texts()
+        assert [h.split(":")[0] for h in owners] == [
+            "rank 0 (0,0,0)", "rank 1 (0,0,1)", "rank 2 (0,1,0)", "rank 3 (0,1,1)"]
+        # the T ranks of a slot hold the same matrices (each its TP shard of them)
+        assert owners[0].split(":")[1] == owners[1].split(":")[1]
+        assert errors == []

@@ -169,7 +169,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
     ran = layouts.last_layout(job_dir)  # an elastic job's may differ from the plan's
-    layout = plan.layout if ran is None else plan.for_world(ran[0] * ran[1]).layout
+    layout = plan.layout if ran is None else plan.for_world(math.prod(ran)).layout
     return result, layout, layouts.last_step(metrics.path)
 
 
@@ -295,7 +295,8 @@ def _run(args, spec, plan, inputs, token) -> int:
             post_url=args.metrics_url, token=token, export_only=args.export_only,
             plan_url=args.plan_url)
         # Ray Train's Result keeps metrics only with a checkpoint
-        summary.update(layout=[layout.replicate, layout.shard], final_step=last_step)
+        summary.update(layout=[layout.replicate, layout.shard]
+                       + ([layout.tp] if layout.tp > 1 else []), final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error),
                            reason=failure_reason(result.error, failed))
