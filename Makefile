@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-modes bench-compile bench-elastic-plan lint clean
+	bench-modes bench-compile bench-elastic-plan bench-tp-plan lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,10 @@ bench-compile: $(STAMP)
 # the elastic planner's table for Llama-3 8B / 70B on 1 to 8 hosts of 8 x 80 GB (seconds)
 bench-elastic-plan: $(STAMP)
 	$(PY) -m bench.elastic_plan
+
+# the planner under tensor parallelism: Llama-3 8B / 70B / 405B, T in {1, 2, 4, 8} (minutes)
+bench-tp-plan: $(STAMP)
+	$(PY) -m bench.tp_plan
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench

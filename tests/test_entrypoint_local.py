@@ -37,6 +37,7 @@ def _readme_command() -> list[str]:
 
 @pytest.mark.parametrize("layout,env,given,want", [
     ({"replicate": 2, "shard": 2}, None, None, 4),  # the README's job on 2 cores
+    ({"replicate": 2, "shard": 1, "tp": 2}, None, None, 4),  # R x N x T workers
     ({"replicate": 1, "shard": 1}, None, None, 2),  # never fewer than the machine's
     ({"nodes": 1, "workers_per_node": 3}, None, None, 3),
     ({}, None, None, 2),  # auto: the planner sizes the job to what Ray has

@@ -33,8 +33,9 @@ class LayoutEvent(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reason: text(256, 1)
-    previous: tuple[Count, Count] | None = Field(None, strict=False)
-    layout: tuple[Count, Count] = Field(strict=False)
+    # R x N, or R x N x T under tensor parallelism
+    previous: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
+    layout: tuple[Count, ...] = Field(strict=False, min_length=2, max_length=3)
     resumed_from: Count
     steps_lost: Count
 

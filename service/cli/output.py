@@ -109,9 +109,12 @@ def plan_summary(plan: dict) -> list[str]:
     """The layout, the nodes it was planned on, the mode and the parameter split."""
     lay, inv = plan["layout"], plan.get("inventory") or {}
     kind = "GPU" if (plan.get("scaling") or {}).get("use_gpu") else "CPU"
-    world = lay["replicate"] * lay["shard"]
-    lines = [f"layout {lay['replicate']} x {lay['shard']} (replicate x shard) on "
-             f"{_plural(lay['nodes'], 'node')}: {world} {kind} workers"]
+    tp = lay.get("tp", 1)  # a plan stored before tensor parallelism has none
+    world = lay["replicate"] * lay["shard"] * tp
+    mesh, dims = (f"{lay['replicate']} x {lay['shard']}", "replicate x shard") if tp == 1 \
+        else (f"{lay['replicate']} x {lay['shard']} x {tp}", "replicate x shard x tp")
+    lines = [f"layout {mesh} ({dims}) on {_plural(lay['nodes'], 'node')}: {world} {kind} "
+             "workers"]
     if inv.get("source") == "assumed":
         lines.append(f"planned on {_plural(inv['nodes'], 'assumed node')} of "
                      f"{inv.get('cpus_per_node')} CPUs ({inv.get('reason')})")
@@ -140,9 +143,11 @@ def memory_table(ranks: list[dict]) -> list[str]:
     """Per rank: owned Muon elements, Newton-Schulz FLOPs per step, the bytes held after
     a step by kind, and the packed buffers' peak during one."""
     kinds = list(ranks[0]["memory"])
-    headers = ["rank", "(r,s)", "Muon elements", "NS FLOP/step",
-               *(k.replace("_", " ") for k in kinds), "packed peak"]
-    rows = [[str(r["rank"]), "({},{})".format(*r["coord"]), f"{r['owned_elements']:,}",
+    headers = ["rank", "(r,s,t)" if len(ranks[0]["coord"]) == 3 else "(r,s)",
+               "Muon elements", "NS FLOP/step", *(k.replace("_", " ") for k in kinds),
+               "packed peak"]
+    rows = [[str(r["rank"]), "(" + ",".join(map(str, r["coord"])) + ")",
+             f"{r['owned_elements']:,}",
              si(r["ns_flops"], "FLOP"), *(si(r["memory"][k], "B") for k in kinds),
              si(r["packed_peak"], "B")] for r in ranks]
     return grid(headers, rows)

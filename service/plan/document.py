@@ -11,7 +11,7 @@ import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 
 class _Doc(BaseModel):
@@ -19,15 +19,27 @@ class _Doc(BaseModel):
 
 
 class Layout(_Doc):
-    """R x N (replicate x shard) on ``nodes`` nodes."""
+    """R x N x T (replicate x shard x tp) on ``nodes`` nodes; T = 1 (a document stored
+    before tensor parallelism has no ``tp``) is the R x N mesh."""
 
     replicate: int
     shard: int
     nodes: int
+    tp: int = 1
 
     @property
     def world_size(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: the T ranks of a tensor-parallel group share one."""
         return self.replicate * self.shard
+
+    def shown(self) -> str:
+        """``2 x 4`` or ``2 x 2 x 2``: the mesh as the CLI and the dashboard print it."""
+        return " x ".join(map(str, (self.replicate, self.shard) + ((self.tp,) if self.tp > 1
+                                                                   else ())))
 
 
 class Inventory(_Doc):
@@ -67,7 +79,7 @@ class ParamGroups(_Doc):
 
 class RankPrediction(_Doc):
     rank: int
-    coord: tuple[int, int]
+    coord: tuple[int, ...] = Field(min_length=2, max_length=3)  # (r, s), (r, s, t) if T > 1
     owned_elements: int
     ns_flops: int
     memory: dict[str, int]  # dmuon.MEMORY_KINDS at rest after a step

@@ -1,5 +1,5 @@
-"""How a layout is chosen and what it splits: R x N (replicate x shard) from a cluster
-inventory and the spec, the check that a stored layout still fits the cluster, the
+"""How a layout is chosen and what it splits: R x N x T (replicate x shard x tp) from a
+cluster inventory and the spec, the check that a stored layout still fits the cluster, the
 micro-batches per step, and the rows FSDP2 gives each shard.
 
 Torch-free: the control plane and the workers both use it."""
@@ -29,26 +29,42 @@ def slots(node: NodeInfo, spec: JobSpec) -> int:
     return 0 if n == math.inf else int(min(n, 1024))
 
 
-def _factorised(spec: JobSpec, n_nodes: int, per_node: int) -> tuple[int, int]:
-    """(R, N) as the spec factorises the workers (replicate across nodes by default)."""
+def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[int, int]:
+    """(R, N) as the spec factorises the workers into R x N x T (replicate across nodes
+    by default, the T ranks of a tensor-parallel group inside one node)."""
     lay, total = spec.layout, n_nodes * per_node
+    if per_node % tp:
+        raise PlacementError(
+            f"layout.tp={tp} must divide the {per_node} workers per node: a tensor-parallel "
+            "group never spans nodes (its activation collectives run over the node's "
+            "NVLink)")
     if lay.replicate is None and lay.shard is None:
-        return n_nodes, per_node
-    R = lay.replicate or total // lay.shard
-    N = lay.shard or total // lay.replicate
-    if R * N != total:
+        return n_nodes, per_node // tp
+    groups = total // tp
+    R = lay.replicate or groups // lay.shard
+    N = lay.shard or groups // lay.replicate
+    if R * N * tp != total:
+        mesh = f"{R} x {N}" + (f" x {tp}" if tp > 1 else "")
         raise PlacementError(
-            f"{R} x {N} = {R * N} workers cannot be split evenly over {n_nodes} nodes of "
+            f"{mesh} = {R * N * tp} workers cannot be split evenly over {n_nodes} nodes of "
             f"{per_node} workers ({total} in all)")
-    if per_node % N and N % per_node:
+    row = N * tp
+    if per_node % row and row % per_node:
         raise PlacementError(
-            f"shard size N={N} must divide or be a multiple of {per_node} workers per "
-            "node, so that shard groups do not straddle nodes unevenly")
+            f"shard size N={N}" + (f" x tp={tp}" if tp > 1 else "") + f" must divide or be "
+            f"a multiple of {per_node} workers per node, so that shard groups do not "
+            "straddle nodes unevenly")
     return R, N
 
 
-def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
-    """(nodes used, R, N). Refuses uneven or impossible layouts with the reason."""
+def spec_tp(spec: JobSpec) -> int | None:
+    """T as the spec gives it; None for ``tp: auto`` (the planner chooses)."""
+    return None if spec.layout.tp == "auto" else spec.layout.tp
+
+
+def nodes_and_workers(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int]:
+    """(nodes used, workers per node) on this inventory; refuses, with the reason, a
+    spec the nodes cannot hold."""
     lay = spec.layout
     usable = [n for n in nodes if slots(n, spec) > 0]
     if not usable:
@@ -70,18 +86,27 @@ def choose_layout(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int, int]:
     cluster_cpus = sum(n.cpus for n in nodes)
     if total * spec.resources_per_worker.CPU > cluster_cpus:
         raise PlacementError(f"{total} workers need more than the cluster's {cluster_cpus:g} CPUs")
-    return (n_nodes, *_factorised(spec, n_nodes, per_node))
+    return n_nodes, per_node
+
+
+def choose_layout(nodes: list[NodeInfo], spec: JobSpec,
+                  tp: int | None = None) -> tuple[int, int, int, int]:
+    """(nodes used, R, N, T): T is ``tp``, else the spec's (1 for ``tp: auto``, whose
+    choice is the planner's). Refuses uneven or impossible layouts with the reason."""
+    n_nodes, per_node = nodes_and_workers(nodes, spec)
+    T = tp or spec_tp(spec) or 1
+    return (n_nodes, *_factorised(spec, n_nodes, per_node, T), T)
 
 
 def check_fits(layout: Layout, spec: JobSpec, nodes: list[NodeInfo]) -> None:
     """Refuse, with the reason, a stored layout that the cluster cannot hold now: its
-    ``nodes`` nodes must each fit ``replicate * shard / nodes`` workers of the spec."""
+    ``nodes`` nodes must each fit ``replicate * shard * tp / nodes`` workers of the spec."""
     world, wanted = layout.world_size, layout.nodes
     per_node = -(-world // wanted)
     fitting = [n for n in nodes if slots(n, spec) >= per_node]
     if len(fitting) < wanted:
         raise PlacementError(
-            f"the stored plan ({layout.replicate} x {layout.shard} on {wanted} "
+            f"the stored plan ({layout.shown()} on {wanted} "
             f"node(s), {per_node} workers of {spec.resources_per_worker.model_dump()} each) "
             f"no longer fits: {len(fitting)} of the cluster's {len(nodes)} alive node(s) "
             f"can hold {per_node} workers")

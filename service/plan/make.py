@@ -9,10 +9,10 @@ import threading
 
 from ..cluster import NodeInfo, synthetic_inventory
 from ..models.source import ModelSource
-from ..spec import JobSpec
-from .document import Inventory, Layout, PlanDocument
+from ..spec import JobSpec, SpecError
+from .document import Inventory, PlanDocument
 from .elastic import elastic_document
-from .layout import PlacementError, choose_layout, slots
+from .layout import PlacementError, choose_layout, slots, spec_tp
 from .predict import Placement, predict
 
 
@@ -57,9 +57,14 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
         layout = choose_layout(nodes, spec)
         inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
                      "reason": str(on_cluster)}
-    try:
-        placement = predict(spec, nodes, model_inputs=model_inputs, layout=layout)
+    try:  # tp: auto chooses T on the same nodes
+        placement = predict(spec, nodes, model_inputs=model_inputs,
+                            layout=layout if spec_tp(spec) else None)
     except ImportError as e:  # a factory importable only from the job's working_dir
+        if spec_tp(spec) is None:
+            raise SpecError(f"layout.tp: auto chooses T on the model, which cannot be "
+                            f"built here ({type(e).__name__}: {e}); give layout.tp a "
+                            "number") from None
         return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
     return placement_document(placement, inventory)
 
@@ -103,21 +108,20 @@ def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) 
 
 def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
     return PlanDocument(
-        layout=Layout(replicate=placement.replicate, shard=placement.shard,
-                      nodes=placement.nodes),
+        layout=placement.layout,
         inventory=Inventory(**inventory), modes=placement.modes.to_dict(),
         param_groups=placement.split, ranks=[r.__dict__ for r in placement.ranks],
         partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
 
 
-def deferred_document(spec: JobSpec, layout: tuple[int, int, int], inventory: dict,
+def deferred_document(spec: JobSpec, layout: tuple[int, int, int, int], inventory: dict,
                       reason: str) -> PlanDocument:
     """The layout alone, for a model only the job's own processes can import: the job's
     entrypoint completes the plan (partition, mode) once, before any worker starts, and
     stores it with the job."""
-    n_nodes, R, N = layout
-    placement = Placement(spec, n_nodes, R, N, None, [])
+    n_nodes, R, N, T = layout
+    placement = Placement(spec, n_nodes, R, N, None, [], tp=T)
     return PlanDocument(
-        layout=Layout(replicate=R, shard=N, nodes=n_nodes), inventory=Inventory(**inventory),
+        layout=placement.layout, inventory=Inventory(**inventory),
         deferred=f"the model cannot be built here ({reason}); the job plans it",
         scaling=placement.scaling_config_kwargs())

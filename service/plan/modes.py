@@ -49,15 +49,20 @@ class ModeChoice:
 
 
 def activation_bytes(*, tokens: int, hidden: int, layers: int, vocab: int, elt: int,
-                     checkpointed: bool) -> int:
+                     checkpointed: bool, tp: int = 1, logits_split: int = 1) -> int:
     """A stated estimate of one rank's activations for one micro-batch: 34 x tokens x
     hidden bytes per block at 2-byte activations (Korthikanti et al. 2022, attention
     scores not stored, as with flash attention), scaled to ``elt``; with per-block
     activation checkpointing each block keeps its input and one block is recomputed at a
-    time. Plus the logits in ``elt`` and their fp32 copy for the loss."""
-    block = 34 * tokens * hidden * elt // 2
-    kept = layers * tokens * hidden * elt + block if checkpointed else layers * block
-    return kept + tokens * vocab * (elt + 4)
+    time. Under tensor parallelism with sequence parallel (``tp`` = T) all of it is 1/T
+    (their 34 sbh/t: the norms' and residual stream's activations are sequence shards,
+    attention's and the MLP's inner ones head and column shards), and a kept block input
+    is a sequence shard. Plus the logits in ``elt`` and their fp32 copy for the loss,
+    divided by ``logits_split``: 1 when the head all-gathers them (every TP rank holds
+    the whole logits), T when they stay sharded on the vocabulary."""
+    block = 34 * tokens * hidden * elt // 2 // tp
+    kept = (layers * tokens * hidden * elt // tp + block) if checkpointed else layers * block
+    return kept + tokens * vocab * (elt + 4) // logits_split
 
 
 def parameter_count(n: int) -> str:

@@ -143,6 +143,14 @@ class JobSpec(_Strict):
                              "resumes from its last committed checkpoint")
         return self
 
+    @model_validator(mode="after")
+    def _tp_starts_from_an_init(self):
+        if self.layout.tp != 1 and getattr(self.model, "weights", None) is not None:
+            raise ValueError(f"layout.tp={self.layout.tp} with model.weights: loading "
+                             "weights into tensor-parallel shards is not supported yet; "
+                             "set layout.tp: 1")
+        return self
+
     def llama_config(self) -> ModelConfig:
         config = builtin_config(self.model)
         if config is None:

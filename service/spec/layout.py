@@ -16,7 +16,8 @@ class ElasticSpec(_Strict):
     """A node range instead of a node count: the job starts on as many nodes of the range
     as the cluster holds, goes on with fewer when a node is lost (from its last committed
     checkpoint, on the planner's layout for what remains) and grows back when capacity
-    returns. Each node count runs ``nodes`` x ``workers_per_node`` (replicate x shard)."""
+    returns. Each node count runs ``nodes`` x ``workers_per_node`` / T x T (replicate x
+    shard x tp): ``layout.tp`` stays the same on every count."""
 
     min_nodes: int = Field(1, ge=1, le=1024)
     max_nodes: int = Field(ge=1, le=1024)
@@ -41,13 +42,22 @@ class ElasticSpec(_Strict):
 
 
 class LayoutSpec(_Strict):
-    """The R x N mesh: replicate across nodes, shard within a node, unless given."""
+    """The R x N mesh: replicate across nodes, shard within a node, unless given; with
+    ``tp`` > 1 the R x N x T mesh, T tensor-parallel ranks inside each node."""
 
     nodes: Count = "auto"
     workers_per_node: Count = "auto"
     replicate: int | None = Field(None, ge=1, le=1024, description="R, overriding nodes")
     shard: int | None = Field(None, ge=1, le=1024,
                               description="N, overriding workers_per_node")
+    tp: Count = Field(1, description="T, the tensor-parallel degree: each group of T "
+                      "workers of one node splits every block's matrices (colwise q/k/v "
+                      "and gate/up, rowwise o/down, sequence parallel on the norms) and "
+                      "shares one data-parallel rank; R x N x T = the workers. T must "
+                      "divide the workers of a node (groups never span hosts) and the "
+                      "model's heads, KV heads and FFN width. auto: the planner takes the "
+                      "smallest such T with which a rank fits its memory and the global "
+                      "batch splits")
     elastic: ElasticSpec | None = Field(None, description="a node range (see ElasticSpec)")
 
     @model_validator(mode="after")

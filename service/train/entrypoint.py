@@ -78,7 +78,8 @@ def local_cpus(spec, given: int | None = None) -> int:
     if os.environ.get("DMUON_LOCAL_CPUS"):
         return int(os.environ["DMUON_LOCAL_CPUS"])
     lay = spec.layout
-    workers = (lay.replicate * lay.shard if lay.replicate and lay.shard else
+    tp = lay.tp if lay.tp != "auto" else 1
+    workers = (lay.replicate * lay.shard * tp if lay.replicate and lay.shard else
                lay.nodes * lay.workers_per_node if "auto" not in (lay.nodes,
                                                                    lay.workers_per_node)
                else 0)
@@ -104,14 +105,15 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
         placement = predict(spec, nodes, model_inputs=model_inputs)
         return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
     if plan.elastic is not None:  # Ray Train waits for the range's smallest count of nodes
-        check_fits(Layout(replicate=1, shard=plan.layout.shard, nodes=1), spec, nodes)
+        check_fits(Layout(replicate=1, shard=plan.layout.shard, tp=plan.layout.tp, nodes=1),
+                   spec, nodes)
         return plan
     check_fits(plan.layout, spec, nodes)
     if plan.complete:
         return plan
     lay = plan.layout
     placement = predict(spec, nodes, model_inputs=model_inputs,
-                        layout=(lay.nodes, lay.replicate, lay.shard))
+                        layout=(lay.nodes, lay.replicate, lay.shard, lay.tp))
     completed = placement_document(placement, plan.inventory.model_dump())
     return completed.model_copy(update={"completed_by": "entrypoint"})
 
@@ -167,7 +169,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     result = trainer.fit()
     # the callback ran on Ray Train's controller actor; its spool is on shared storage
     ran = layouts.last_layout(job_dir)  # an elastic job's may differ from the plan's
-    layout = plan.layout if ran is None else plan.for_world(ran[0] * ran[1]).layout
+    layout = plan.layout if ran is None else plan.for_world(math.prod(ran)).layout
     return result, layout, layouts.last_step(metrics.path)
 
 
@@ -293,7 +295,8 @@ def _run(args, spec, plan, inputs, token) -> int:
             post_url=args.metrics_url, token=token, export_only=args.export_only,
             plan_url=args.plan_url)
         # Ray Train's Result keeps metrics only with a checkpoint
-        summary.update(layout=[layout.replicate, layout.shard], final_step=last_step)
+        summary.update(layout=[layout.replicate, layout.shard]
+                       + ([layout.tp] if layout.tp > 1 else []), final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error),
                            reason=failure_reason(result.error, failed))

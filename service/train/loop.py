@@ -273,7 +273,7 @@ def _worker(config: dict, progress: dict) -> None:
     world = ray.train.get_context().get_world_size()
     plan = PlanDocument.model_validate(config["plan"]).for_world(world)
     torch.set_num_threads(int(config.get("threads", 1)))
-    mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard)
+    mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard, plan.layout.tp)
     rank = dist.get_rank()
     capacity = None if plan.elastic is None else CapacityWatch(
         ray_capacity(plan.scaling, plan.scaling.num_workers),

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ...inputs import resolve_inputs, resolve_model
 from ...inputs.packages import PackageError, runtime_working_dir
 from ...models.params import ParamRuleError
-from ...plan.document import PlanDocument
+from ...plan.document import Layout, PlanDocument
 from ...plan.layout import PlacementError
 from ...plan.make import plan_document
 from ...spec import JobSpec, SpecError, text
@@ -211,7 +211,8 @@ def complete_plan(job_id: JobId, plan: PlanDocument, request: Request):
     stored = _job_or_404(store, job_id, with_plan=True)["plan"]
     if stored is None or stored.get("partition") is not None:
         raise HTTPException(409, f"job {job_id} has a complete plan; it is not replaced")
-    if not plan.complete or plan.layout.model_dump() != stored["layout"]:
+    # a deferred plan stored before tensor parallelism has no layout.tp: its default
+    if not plan.complete or plan.layout != Layout.model_validate(stored["layout"]):
         raise HTTPException(422, [{"field": "layout", "message":
                                    f"a completed plan on the stored layout {stored['layout']} "
                                    f"is expected, got {plan.layout.model_dump()}"

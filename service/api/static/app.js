@@ -113,7 +113,7 @@ function showFacts(job) {
   const facts = {
     status: job.dry_run ? "dry run (planned, never run)" : job.status,
     model: modelName(job.spec.model), steps: job.spec.steps,
-    layout: `${p.layout.replicate} x ${p.layout.shard} (replicate x shard)`,
+    layout: meshText(p.layout),
     "planned on": plannedOn(p.inventory),
     mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
     imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
@@ -134,17 +134,28 @@ function showFacts(job) {
 function layoutFacts(job) {
   const facts = {};
   const range = (job.partition.elastic || []).filter((e) => !e.refused);
-  if (range.length) facts["elastic layouts"] = range.map((e) => `${e.layout.replicate} x ${e.layout.shard}`).join(", ");
+  if (range.length) facts["elastic layouts"] = range.map((e) => meshText(e.layout, false)).join(", ");
   const starts = job.layouts || [];
   if (starts.length) {
     const last = starts[starts.length - 1];
-    facts.running = `${last.layout[0]} x ${last.layout[1]}`;
-    facts["layout history"] = starts.map((e) => `${e.layout[0]} x ${e.layout[1]} from step `
+    facts.running = last.layout.join(" x ");
+    facts["layout history"] = starts.map((e) => `${e.layout.join(" x ")} from step `
       + `${e.resumed_from + 1}` + (e.previous ? ` (${e.reason}; ${e.steps_lost} step${e.steps_lost === 1 ? "" : "s"} lost)` : ""))
       .join("; ");
   }
   return facts;
 }
+
+// R x N (replicate x shard), or R x N x T (replicate x shard x tp) under tensor
+// parallelism; a plan stored before it has no tp
+function meshText(layout, named = true) {
+  const tp = layout.tp || 1;
+  const dims = [layout.replicate, layout.shard, ...(tp > 1 ? [tp] : [])].join(" x ");
+  return named ? `${dims} (replicate x shard${tp > 1 ? " x tp" : ""})` : dims;
+}
+
+// each rank's label: its number and (r,s) or (r,s,t) coordinate
+const rankCoords = (ranks) => ranks.map((r) => `rank ${r.rank} (${r.coord.join(",")})`);
 
 function skippedSteps(job) {
   // each record carries its rank's count so far: every rank skips the same steps
@@ -159,10 +170,13 @@ function plannedOn(inv) {
     : `${nodes} of ${inv.cpus_per_node} CPUs, assumed (${inv.reason})`;
 }
 
+// an owner is a (replicate, shard) slot: under tensor parallelism each of its T ranks
+// (rank = slot x T + t) holds its TP shard of the slot's matrices
 function ownedBy(partition) {
   const byRank = partition.ranks.map(() => []);
+  const T = partition.tp_size || 1;
   for (const [name, p] of Object.entries(partition.params || {})) {
-    byRank[p.owner].push({ name, ...p });
+    for (let t = 0; t < T; t++) byRank[p.owner * T + t]?.push({ name, ...p });
   }
   return byRank;
 }
@@ -171,7 +185,7 @@ function drawOwnership(partition) {
   const owned = ownedBy(partition);
   const ranks = partition.ranks;
   Plotly.react("ownership-chart", [{
-    type: "bar", name: "elements", x: rankLabels(ranks.length),
+    type: "bar", name: "elements", x: rankCoords(ranks),
     y: ranks.map((r) => r.owned_elements), marker: { color: "#2c6fb7" },
     customdata: ranks.map((r, i) => [(r.ns_flops / 1e9).toFixed(3), owned[i].length]),
     hovertemplate: "%{x}: %{y:,} elements<br>NS %{customdata[0]} GFLOP" +
@@ -195,7 +209,8 @@ function drawOwners(partition) {
     const div = document.createElement("div");
     const layers = {};
     for (const p of params) (layers[p.boundary] ||= []).push(p.name.split(".").slice(-2, -1)[0]);
-    div.innerHTML = `<h3>rank ${rank}: ${params.length} matrices</h3>` + Object.entries(layers)
+    const where = partition.ranks[rank] ? ` (${partition.ranks[rank].coord.join(",")})` : "";
+    div.innerHTML = `<h3>rank ${rank}${esc(where)}: ${params.length} matrices</h3>` + Object.entries(layers)
       .map(([layer, names]) => `<div>${esc(layer)}: ${esc(names.join(", "))}</div>`).join("");
     return div;
   }));
