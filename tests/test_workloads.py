@@ -1,11 +1,12 @@
 """Real workloads end to end, on one control plane with its own local Ray head (4 CPU
-workers, 2x2 HSDP, gloo on loopback):
+workers, gloo on loopback):
 
-- tiny Hugging Face LlamaForCausalLM (config.json under the data root) and
-  Qwen3MoeForCausalLM (fused 3-D experts, config inline, activation checkpointing per
-  block) through REST, 10 steps in float64 with warmup+cosine, clipping and
-  accumulation: every exported parameter within 1e-9 of the single-process reference
-  (tests/_hf_reference.py);
+- tiny Hugging Face LlamaForCausalLM (config.json under the data root, ``layout: {tp:
+  2}``: 1 x 2 x 2, tensor parallel inside the node) and Qwen3MoeForCausalLM (2 x 2
+  HSDP, fused 3-D experts, config inline, activation checkpointing per block) through
+  REST, 10 steps in float64 with warmup+cosine, clipping and accumulation: every
+  exported parameter within 1e-9 of the single-process reference
+  (tests/_hf_reference.py), and the stored plan's layout the one the workers ran;
 - ``dmuon-svc export JOB`` rewrites the export from the newest checkpoint;
 - a user's model by import path from a working_dir, through ``ray job submit`` and
   through REST (``dmuon-svc submit --working-dir`` uploads the directory);
@@ -80,9 +81,11 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
              {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE})
     # per-block activation checkpointing changes no arithmetic: the MoE job runs with it
     checkpointing = "none" if name == "llama" else "non_reentrant"
+    # the Llama job runs tensor parallel: R x N x T = 1 x 2 x 2, chosen by the planner
+    layout = {"tp": 2} if name == "llama" else RECIPE["layout"]
     status, job = svc.request("POST", "/v1/jobs", {"spec": {
         **RECIPE, "name": name, "model": model, "activation_checkpointing": checkpointing,
-        "checkpoint": {"interval": 4, "keep_last": 1}}})
+        "checkpoint": {"interval": 4, "keep_last": 1}, "layout": layout}})
     assert status == 201, job
     JOBS[name] = job["id"]
     done = svc.wait_ended(job["id"])
@@ -107,13 +110,21 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
             and not k.endswith("mlp.gate.weight")} == set(groups["muon"])
     records = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
     assert len(records) == RECIPE["steps"] * WORLD
+    stored = part["layout"]
+    planned = (1, 2, 2) if name == "llama" else (2, 2, 1)  # R x N x T
+    assert (stored["replicate"], stored["shard"], stored["tp"]) == planned
+    # the workers ran the stored layout: R x N x T under TP, else R x N
+    assert {tuple(r["layout"]) for r in records} == {planned if planned[2] > 1 else planned[:2]}
+    assert len({tuple(r["coord"]) for r in records}) == WORLD
+    data_parallel = planned[0] * planned[1]  # a TP group's ranks share their tokens
     s = RECIPE["schedule"]
     for r in records:
         factor = lr_factor(r["step"] - 1, RECIPE["steps"], s["warmup_steps"], s["min_lr_ratio"])
         assert r["lr"]["muon"] == pytest.approx(RECIPE["optimizer"]["lr"] * factor, rel=1e-12)
         assert r["lr"]["adamw"] == pytest.approx(RECIPE["optimizer"]["adamw_lr"] * factor,
                                                  rel=1e-12)
-        assert r["tokens_per_s_total"] == pytest.approx(WORLD * r["tokens_per_s"], rel=1e-12)
+        assert r["tokens_per_s_total"] == pytest.approx(data_parallel * r["tokens_per_s"],
+                                                        rel=1e-12)
         assert r["grad_norm"] > 0 and r["mfu"] is None  # no peak on a CPU
 
 
