@@ -11,6 +11,10 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Ray Train's controller takes a worker's report when it polls (Ray's default every 2 s,
+# the entrypoint's 0.5 s) and the worker waits for that at its next report: tiny test
+# steps take 0.2 s, so at 0.5 s a job's steps would wait on the poll, not compute
+os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.1")
 
 
 import pytest  # noqa: E402
