@@ -6,7 +6,8 @@ on at 2 x 2 from step 4, loses again after step 7 and grows back to 3 x 2 from s
 on the same layouts; "uninterrupted" runs 3 x 2 throughout. "grow" starts at 2 x 2 with
 checkpoints every 4 steps, sees the workers Ray Train could start rise to 6 after step 5
 (checkpointed then), is restarted by the resize after step 6 and goes on at 3 x 2 from
-step 5."""
+step 5. ``TP_SPEC`` is the multi-host job's: the same at T = 2 (3 x 1 x 2, 2 x 1 x 2),
+with only its "by hand" and "uninterrupted" runs (``gloo_runs_tp``)."""
 
 from __future__ import annotations
 
@@ -26,19 +27,32 @@ SPEC = {"model": "tiny", "steps": 10, "batch_size": 2, "seq_len": 32, "seed": 3,
         "checkpoint": {"interval": 2, "keep_last": 0},
         "schedule": {"warmup_steps": 2, "decay": "cosine", "min_lr_ratio": 0.1},
         "layout": {"elastic": {"min_nodes": 2, "max_nodes": 3}, "workers_per_node": 2}}
+# the multi-host job's variant: T = 2 inside each node, R varying (3 x 1 x 2, 2 x 1 x 2)
+TP_SPEC = {**SPEC, "layout": {**SPEC["layout"], "tp": 2}}
 
 
 class HostLost(Exception):
     """Every rank's worker stops here at once, as Ray Train stops a group that lost one."""
 
 
+def _mesh(layout):
+    """The plan's (replicate, shard) mesh, or (replicate, shard, tp) with T > 1: ranks in
+    order, so each node's ranks (consecutive, as on Ray) hold a TP group."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if layout.tp == 1:
+        return init_device_mesh("cpu", (layout.replicate, layout.shard),
+                                mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh("cpu", (layout.replicate, layout.shard, layout.tp),
+                            mesh_dim_names=("replicate", "shard", "tp"))
+
+
 def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts=None,
-         interval=2):
+         interval=2, spec_data=SPEC):
     """(records, full params on rank 0 or None when stopped) of one start of a job. With
     ``counts``, rank 0's count of the workers Ray Train could start, one a step."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
     from service.cluster import synthetic_inventory
@@ -47,13 +61,13 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
     from service.train.capacity import CapacityWatch
     from service.train.loop import run_training
 
-    spec = parse_spec({**SPEC, "checkpoint": {**SPEC["checkpoint"], "interval": interval,
-                                              "resume_from": resume_from}})
+    spec = parse_spec({**spec_data, "checkpoint": {**spec_data["checkpoint"],
+                                                   "interval": interval,
+                                                   "resume_from": resume_from}})
     plan = plan_document(spec, synthetic_inventory(3, 0, 2), 4).for_world(world)
     capacity = None if counts is None else CapacityWatch(
         iter(counts).__next__, {4, 6}, world, torch.device("cpu"), every_s=0)
-    mesh = init_device_mesh("cpu", (plan.layout.replicate, plan.layout.shard),
-                            mesh_dim_names=("replicate", "shard"))
+    mesh = _mesh(plan.layout)
     job_dir = os.path.join(storage, job_id)
     records = []
 
@@ -106,6 +120,31 @@ def gloo_runs() -> tuple[list, str]:
     atexit.register(shutil.rmtree, storage, ignore_errors=True)
     return ([run(_six, storage, world_size=6), run(_four, storage, world_size=4),
              run(_six_again, storage, world_size=6)], storage)
+
+
+def _tp_six(rank, world, storage):
+    return {"uninterrupted": _job(rank, world, storage, "tp-uninterrupted", spec_data=TP_SPEC),
+            "hand": _job(rank, world, storage, "tp-hand-a", stop_after=4, spec_data=TP_SPEC)}
+
+
+def _tp_four(rank, world, storage):
+    return {"hand": _job(rank, world, storage, "tp-hand-b", stop_after=6,
+                         resume_from="tp-hand-a", spec_data=TP_SPEC)}
+
+
+def _tp_six_again(rank, world, storage):
+    return {"hand": _job(rank, world, storage, "tp-hand-c", resume_from="tp-hand-b",
+                         spec_data=TP_SPEC)}
+
+
+@functools.cache
+def gloo_runs_tp() -> list:
+    """TP_SPEC's references, as ``gloo_runs``' but by hand and uninterrupted only: per-rank
+    results of 3 x 1 x 2, 2 x 1 x 2, 3 x 1 x 2 again."""
+    storage = tempfile.mkdtemp(prefix="dmuon-elastic-tp-")
+    atexit.register(shutil.rmtree, storage, ignore_errors=True)
+    return [run(_tp_six, storage, world_size=6), run(_tp_four, storage, world_size=4),
+            run(_tp_six_again, storage, world_size=6)]
 
 
 def close(got: dict, want: dict, bound: float = 1e-9) -> None:

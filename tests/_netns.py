@@ -96,6 +96,16 @@ class Hosts:
     def link(self, host: str, up: bool) -> None:
         _sh("ip", "-n", self.ns[host], "link", "set", IFACE, "up" if up else "down")
 
+    def link_bytes(self, host: str) -> int:
+        """Bytes through ``host``'s veth so far, both ways (its tx_bytes + rx_bytes, read
+        inside its namespace): with two hosts, every byte that crossed between them.
+        Traffic between a host's own processes stays on its loopback."""
+        stats = f"/sys/class/net/{IFACE}/statistics"
+        out = subprocess.run(["ip", "netns", "exec", self.ns[host], "cat", f"{stats}/tx_bytes",
+                              f"{stats}/rx_bytes"], check=True, capture_output=True,
+                             text=True, timeout=30).stdout
+        return sum(int(n) for n in out.split())
+
     # -- processes -------------------------------------------------------------------
     def env(self, **extra) -> dict:
         env = {k: v for k, v in os.environ.items() if k != "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"}

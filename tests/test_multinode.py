@@ -1,5 +1,6 @@
-"""Hosts in network namespaces: HSDP across hosts, node loss and link faults, and an
-elastic job that loses a host and grows back when it returns.
+"""Hosts in network namespaces: HSDP x TP across hosts (TP's traffic kept off the link),
+HSDP through node loss and link faults, and an elastic job under TP that loses a host
+and grows back when it returns.
 
 Host a (10.200.0.11) runs the Ray head and the entrypoint; host b (10.200.0.12), and for
 the elastic job host c (10.200.0.13), a worker node each. Each node has 2 CPUs: a fixed
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -18,8 +20,9 @@ import time
 
 import pytest
 import torch
-from _elastic import SPEC as ELASTIC
-from _elastic import close, gloo_runs
+from _elastic import TP_SPEC as ELASTIC
+from _elastic import close, gloo_runs_tp
+from _hf_reference import LLAMA, RECIPE, reference_run
 from _netns import RAY_PORT, Hosts, namespaces_available
 
 from dmuon.testing import run
@@ -28,6 +31,13 @@ REASON = namespaces_available()
 pytestmark = pytest.mark.skipif(REASON is not None, reason=str(REASON))
 SPEC = {"name": "mn", "model": "tiny", "steps": 10, "batch_size": 4, "seq_len": 32,
         "checkpoint": {"interval": 2}, "data": {"val_every": 0}, "max_failures": 3}
+# 512 tokens a data-parallel rank a step on a hidden size of 32: activations (TP's bytes)
+# outweigh the matrices (replicate's) many times
+LLAMA_3D = {**RECIPE, "name": "3d", "seq_len": 64, "batch_size": 8, "global_batch_tokens": 1024,
+            "model": {"hf_arch": LLAMA["architectures"][0], "config": LLAMA},
+            "layout": {"replicate": 2, "shard": 1, "tp": 2}, "checkpoint": {"interval": 0},
+            "export": {"enabled": False}}
+WINDOW = (4, 7)  # every rank waits before steps 4 and 7: the link is read over 4-6
 TIMELINE: dict[str, float] = {}
 
 
@@ -120,17 +130,75 @@ def _assert_equal_to_loopback(params_path):
         assert torch.equal(params[key], value), key
 
 
-def test_hsdp_across_hosts_equals_loopback(hosts):
-    proc, metrics, params = _submit(hosts, "clean")
-    _finish(hosts, proc, "clean")
-    records = _records(metrics)
+def _rows_on_the_two_hosts(hosts, records):
+    """Each replicate coordinate's ranks (its shard row, and under TP its TP groups) on
+    one host, the two coordinates on the two hosts."""
     ip_of_row = {}
     for r in records:
         ip_of_row.setdefault(r["coord"][0], set()).add(r["node_ip"])
-    assert ip_of_row == {0: {hosts.ip["a"]}, 1: {hosts.ip["b"]}} or \
-        ip_of_row == {0: {hosts.ip["b"]}, 1: {hosts.ip["a"]}}  # replicate peers on 2 IPs
+    assert ip_of_row in ({0: {hosts.ip["a"]}, 1: {hosts.ip["b"]}},
+                         {0: {hosts.ip["b"]}, 1: {hosts.ip["a"]}}), ip_of_row
+
+
+def _link_bytes_when_held(hosts, metrics, step, proc):
+    """Host a's veth bytes once every rank has reported ``step`` (and so waits before the
+    next, held) and the reports' traffic has settled."""
+    deadline = time.time() + 180
+    while sum(r["step"] == step for r in _records(metrics)) < 4:
+        assert proc.poll() is None and time.time() < deadline, f"step {step} not reached"
+        time.sleep(0.2)
+    time.sleep(0.5)
+    return hosts.link_bytes("a")
+
+
+def _fsdp2_bytes(config: dict, tp: int) -> int:
+    """What FSDP2's all-reduce of the non-Muon gradients sends a rank a step over its
+    2-rank replicate group (its payload, once): the embedding and the head split in T on
+    the vocabulary, the 2L + 1 norms whole, float64."""
+    h, v, n = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    return (2 * v * h // tp + (2 * n + 1) * h) * 8
+
+
+def _window_bytes(records, steps) -> dict[str, float]:
+    """The ledger's bytes of ``steps``, by dim, summed over the ranks."""
+    out: dict[str, float] = {}
+    for r in records:
+        if r["step"] in steps:
+            for key, n in r["bytes"].items():
+                out[key.split(".")[0]] = out.get(key.split(".")[0], 0) + n
+    return out
+
+
+def test_3d_across_hosts_matches_the_reference_and_no_tp_traffic_crosses(hosts):
+    """HF Llama on 2 x 1 x 2: T = 2 inside each host, R = 2 across. The final params are
+    within 1e-9 of the one-process float64 reference (tests/_hf_reference.py). Over
+    steps 4-6 (every rank held before 4 and before 7; no checkpoint) host a's veth
+    carries at least the bytes that must cross and under a quarter of the ledger's tp
+    bytes. Lower bound: the replicate groups are the only ones spanning the hosts, each
+    a pair across them, whose collectives on gloo (DMuon's per-owner reduces and
+    broadcasts, FSDP2's HSDP all-reduce of the non-Muon gradients, which DMuon's ledger
+    does not count: ``_fsdp2_bytes``) send each payload once, the ledger's bytes summed
+    over the pair, which no algorithm undercuts. Upper: what else crosses is TCP/IP
+    headers (a few %), the loss and norm scalars, the ranks' reports and Ray's control
+    chatter (KB a second), so with the spec's tp bytes >= 8x replicate + FSDP2 the link
+    stays far under tp / 4; TP across the hosts would put all the tp bytes on it."""
+    proc, metrics, params = _submit(hosts, "3d", hold_before=WINDOW, spec_data=LLAMA_3D)
+    before = _link_bytes_when_held(hosts, metrics, WINDOW[0] - 1, proc)
+    _release(hosts, "3d", WINDOW[0])
+    crossed = _link_bytes_when_held(hosts, metrics, WINDOW[1] - 1, proc) - before
+    _release(hosts, "3d", WINDOW[1])
+    _finish(hosts, proc, "3d")
+    records = _records(metrics)
+    ledger = _window_bytes(records, range(*WINDOW))
+    must_cross = ledger["replicate"] + 4 * len(range(*WINDOW)) * _fsdp2_bytes(LLAMA, 2)
+    assert ledger["tp"] >= 8 * must_cross  # the check below can fail
+    assert must_cross <= crossed < ledger["tp"] / 4
+    print(json.dumps({"3d_window": {"crossed": crossed, "must_cross": must_cross,
+                                    **{f"ledger_{k}": v for k, v in ledger.items()}}}))
+    assert {tuple(r["layout"]) for r in records} == {(2, 1, 2)}
+    _rows_on_the_two_hosts(hosts, records)
     assert all(r["resumed_from"] == 0 for r in records)
-    _assert_equal_to_loopback(params)
+    close(torch.load(params), reference_run(LLAMA, recipe=LLAMA_3D, world=2))
 
 
 def _restarted(records):
@@ -149,6 +217,7 @@ def test_short_link_outage_stalls_then_raylet_kill_resumes(hosts):
     assert sorted({r["step"] for r in before_kill}) == list(range(1, 7))  # no step lost
     assert all(sum(r["step"] == s for r in before_kill) == 4 for s in range(1, 7))
     assert all(r["resumed_from"] == 0 for r in before_kill)  # stalled, no restart
+    _rows_on_the_two_hosts(hosts, before_kill)  # 2 x 2: replicate peers on the 2 IPs
     killed_at = time.time()
     hosts.kill_raylet(hosts.b_dir)  # every rank has finished step 6 and waits before 7
     time.sleep(8)  # the job now waits: host a alone cannot hold 4 workers
@@ -197,20 +266,31 @@ def three_hosts():
         assert hosts.leftovers() == []
 
 
+# the elastic job's three starts, as tests/test_elastic_training.py has them at 2-D
+ELASTIC_EVENTS = [
+    {"reason": "start", "previous": None, "layout": [3, 1, 2], "resumed_from": 0,
+     "steps_lost": 0},
+    {"reason": "capacity lost: 6 -> 4 workers (a node or worker failed)",
+     "previous": [3, 1, 2], "layout": [2, 1, 2], "resumed_from": 4, "steps_lost": 1},
+    {"reason": "capacity returned: 4 -> 6 workers", "previous": [2, 1, 2],
+     "layout": [3, 1, 2], "resumed_from": 6, "steps_lost": 1}]
+
+
 def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
-    """3 x 2; host c's raylet is killed while every rank waits before step 6 (checkpoint
-    4 committed); the job goes on at 2 x 2 from step 4 without host c (and waits again
-    before step 6 until the test sees it there); host c is started
-    again while the ranks wait before step 8 (checkpoint 6), and Ray Train's resize check
-    (every 2 s here) grows the job back to 3 x 2 from step 6 (the ranks, waiting, do not
-    count the workers between steps, so cannot checkpoint step 8 first: the gloo run's
-    "grow" shows that). Right after the death Ray
+    """3 x 1 x 2 (T = 2 inside each host); host c's raylet is killed while every rank
+    waits before step 6 (checkpoint 4 committed); the job goes on at 2 x 1 x 2 (T kept, R
+    down) from step 4 without host c (and waits again before step 6 until the test sees
+    it there); host c is started again while the ranks wait before step 8 (checkpoint
+    6), and Ray Train's resize check (every 2 s here) grows the job back to 3 x 1 x 2 from
+    step 6 (the ranks, waiting, do not count the workers between steps, so cannot
+    checkpoint step 8 first: tests/test_elastic_training.py's "grow" shows that on gloo
+    at 2-D). Right after the death Ray
     Train still counts host c and asks for 6 workers first: ``start_timeout_s`` (15 s
     here, Ray's default 60) bounds that wait. ``max_wait_s`` (5 s) is passed while Ray
     Train tries host c, but does not fail the job: the live nodes hold the 4 workers of
     the smallest layout throughout. The parameters equal the
     gloo run on those layouts from those checkpoints (tests/_elastic.py) exactly, and an
-    uninterrupted 3 x 2 run within 1e-9."""
+    uninterrupted 3 x 1 x 2 run within 1e-9."""
     hosts = three_hosts
     spec = {**ELASTIC, "name": "elastic", "max_failures": 3,
             "layout": {**ELASTIC["layout"], "elastic": {**ELASTIC["layout"]["elastic"],
@@ -223,12 +303,12 @@ def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
     killed_at = time.time()
     hosts.kill_raylet(hosts.c_dir)
     hosts.kill_node(hosts.c_dir)
-    first = _wait_for_step(metrics, 5, proc, layout=[2, 2])  # the new group, before step 6
-    TIMELINE["host_death_to_first_step_on_2x2_s"] = round(first["time"] - killed_at, 1)
+    first = _wait_for_step(metrics, 5, proc, layout=[2, 1, 2])  # the new group, before 6
+    TIMELINE["host_death_to_first_step_on_2x1x2_s"] = round(first["time"] - killed_at, 1)
     _release(hosts, "elastic", 6)
-    _wait_for_step(metrics, 7, proc, layout=[2, 2])
+    _wait_for_step(metrics, 7, proc, layout=[2, 1, 2])
     hosts.add_worker_node(host="c")
-    _wait_for_step(metrics, 7, proc, layout=[3, 2], resumed_from=6)
+    _wait_for_step(metrics, 7, proc, layout=[3, 1, 2], resumed_from=6)
     _release(hosts, "elastic", 8)
     log = _finish(hosts, proc, "elastic")
     # the deadline came while Ray Train tried host c (15 s a try) and let the job wait on
@@ -237,15 +317,14 @@ def test_elastic_job_loses_a_host_goes_on_smaller_and_grows_back(three_hosts):
     records = _records(metrics)
     runs = [(r["step"], r["resumed_from"], tuple(r["layout"])) for r in records
             if r["rank"] == 0]
-    assert runs == ([(s, 0, (3, 2)) for s in range(1, 6)] + [(s, 4, (2, 2)) for s in
-                    range(5, 8)] + [(s, 6, (3, 2)) for s in range(7, 11)])
+    assert runs == ([(s, 0, (3, 1, 2)) for s in range(1, 6)] + [(s, 4, (2, 1, 2)) for s in
+                    range(5, 8)] + [(s, 6, (3, 1, 2)) for s in range(7, 11)])
     # rank 0's count of the workers Ray Train could start, from the live nodes: host c
-    # dead on 2 x 2 (and not back before step 8's wait), alive again on 3 x 2
-    assert [r["capacity"] for r in records] == [r["layout"][0] * r["layout"][1]
-                                                for r in records]
+    # dead on 2 x 1 x 2 (and not back before step 8's wait), alive again on 3 x 1 x 2
+    assert [r["capacity"] for r in records] == [math.prod(r["layout"]) for r in records]
     events = [r["layout_event"] for r in records if r["layout_event"]]
-    (six, four, again), _ = gloo_runs()
-    assert events == [out[0]["elastic"][0][0]["layout_event"] for out in (six, four, again)]
+    assert events == ELASTIC_EVENTS
+    six, _, again = gloo_runs_tp()
     # every step's global batch ran once on the final line of starts: none skipped
     assert sorted({r["step"] for r in records}) == list(range(1, 11))
     final = torch.load(params)
