@@ -90,10 +90,10 @@ def smallest(name: str, T: int, max_hosts: int) -> dict:
 
 
 def torchtitan_rows() -> list[dict]:
-    """The planner at torchtitan's published layouts (``docs/performance.md`` and the
-    llama3 train_configs): 70B 1-D FSDP2 on 64 GPUs (local batch 1), its 70B preset
-    FSDP 8 x TP 8 on 64 GPUs (local batch 8), 405B FSDP 16 x TP 8 on 128 H100 of 94 GB
-    (local batch 2, global 32)."""
+    """The planner at torchtitan's published layouts (its performance page,
+    ``TORCHTITAN``, and the llama3 train_configs): 70B 1-D FSDP2 on 64 GPUs (local
+    batch 1), its 70B preset FSDP 8 x TP 8 on 64 GPUs (local batch 8), 405B FSDP 16 x
+    TP 8 on 128 H100 of 94 GB (local batch 2, global 32)."""
     cases = [("70B 1-D FSDP2, 64 A100", "llama3-70b", 8, {"replicate": 1, "shard": 64}, 1,
               64, 80.0),
              ("70B FSDP 8 x TP 8 preset, 64 A100", "llama3-70b", 8,
