@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 CHROMIUM = os.environ.get("DMUON_CHROMIUM", "/usr/bin/chromium")
@@ -34,3 +35,15 @@ def page_with_errors():
             yield page, errors
         finally:
             browser.close()
+
+
+@contextlib.contextmanager
+def job_page(url: str, job_id: str, showing: str):
+    """(page, the job's facts panel text) once the panel shows ``showing``; fails if the
+    page logged an error meanwhile."""
+    with page_with_errors() as (page, errors):
+        page.goto(f"{url}/#job={job_id}")
+        page.wait_for_function("document.getElementById('job-facts').innerText"
+                               f".includes({json.dumps(showing)})", timeout=60_000)
+        yield page, page.locator("#job-facts").inner_text()
+        assert errors == []

@@ -6,7 +6,7 @@ events in rank 0's records) in ``GET /v1/jobs/{id}`` and on the dashboard in Chr
 from __future__ import annotations
 
 import pytest
-from _browser import page_with_errors
+from _browser import job_page
 from _elastic import SPEC
 from _http import Service
 
@@ -54,17 +54,12 @@ def test_the_plan_has_a_layout_per_node_count_and_the_job_its_layout_history(svc
     assert svc.request("POST", path, _records(job["id"]))[1] == {"inserted": 20}
     layouts = svc.request("GET", f"/v1/jobs/{job['id']}")[1]["layouts"]
     assert layouts == [{"step": s, **e} for s, e in EVENTS.items()]
-    with page_with_errors() as (page, errors):
-        page.goto(f"{svc.url}/#job={job['id']}")
-        page.wait_for_function("document.getElementById('job-facts').innerText"
-                               ".includes('layout history')", timeout=60_000)
-        facts = page.locator("#job-facts").inner_text()
+    with job_page(svc.url, job["id"], "layout history") as (_, facts):
         assert "elastic layouts\n2 x 2, 3 x 2" in facts
         assert "running\n3 x 2" in facts
         assert ("layout history\n3 x 2 from step 1; 2 x 2 from step 5 (capacity lost: 6 -> 4 "
                 "workers (a node or worker failed); 1 step lost); 3 x 2 from step 7 "
                 "(capacity returned: 4 -> 6 workers; 1 step lost)") in facts
-        assert errors == []
 
 
 def test_a_range_that_no_node_count_can_run_is_refused_naming_the_field(svc):

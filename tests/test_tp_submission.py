@@ -70,7 +70,7 @@ def test_a_degree_that_runs_is_planned_as_r_x_n_x_t(svc):
 
 
 def test_the_dashboard_shows_r_x_n_x_t_and_each_ranks_coordinate(svc):
-    from _browser import page_with_errors
+    from _browser import job_page
 
     status, job = _submit(svc, {"model": "tiny", "layout": {"tp": 2}})
     assert status == 201, job
@@ -81,11 +81,7 @@ def test_the_dashboard_shows_r_x_n_x_t_and_each_ranks_coordinate(svc):
                 "layout": [1, 2, 2], "layout_event": event if rank == 0 else None}
                for rank, coord in enumerate(coords)]
     assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)[1] == {"inserted": 4}
-    with page_with_errors() as (page, errors):
-        page.goto(f"{svc.url}/#job={job['id']}")
-        page.wait_for_function("document.getElementById('job-facts').innerText"
-                               ".includes('running')", timeout=60_000)
-        facts = page.locator("#job-facts").inner_text()
+    with job_page(svc.url, job["id"], "running") as (page, facts):
         assert "layout\n1 x 2 x 2 (replicate x shard x tp)" in facts
         assert "running\n1 x 2 x 2" in facts
         assert page.locator("#ownership-chart .barlayer .point").count() == 4
@@ -94,4 +90,3 @@ def test_the_dashboard_shows_r_x_n_x_t_and_each_ranks_coordinate(svc):
             "rank 0 (0,0,0)", "rank 1 (0,0,1)", "rank 2 (0,1,0)", "rank 3 (0,1,1)"]
         # the T ranks of a slot hold the same matrices (each its TP shard of them)
         assert owners[0].split(":")[1] == owners[1].split(":")[1]
-        assert errors == []
