@@ -36,10 +36,14 @@ class Layout(_Doc):
         """The data-parallel ranks: the T ranks of a tensor-parallel group share one."""
         return self.replicate * self.shard
 
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        """(R, N), or (R, N, T) under tensor parallelism: the workers' mesh and records."""
+        return (self.replicate, self.shard) + ((self.tp,) if self.tp > 1 else ())
+
     def shown(self) -> str:
         """``2 x 4`` or ``2 x 2 x 2``: the mesh as the CLI and the dashboard print it."""
-        return " x ".join(map(str, (self.replicate, self.shard) + ((self.tp,) if self.tp > 1
-                                                                   else ())))
+        return " x ".join(map(str, self.mesh_shape))
 
 
 class Inventory(_Doc):

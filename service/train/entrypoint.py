@@ -295,8 +295,7 @@ def _run(args, spec, plan, inputs, token) -> int:
             post_url=args.metrics_url, token=token, export_only=args.export_only,
             plan_url=args.plan_url)
         # Ray Train's Result keeps metrics only with a checkpoint
-        summary.update(layout=[layout.replicate, layout.shard]
-                       + ([layout.tp] if layout.tp > 1 else []), final_step=last_step)
+        summary.update(layout=list(layout.mesh_shape), final_step=last_step)
         if result.error:
             summary.update(status="FAILED", error=str(result.error),
                            reason=failure_reason(result.error, failed))

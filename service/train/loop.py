@@ -158,16 +158,16 @@ def _layout(mesh: DeviceMesh) -> tuple[list[int], list[int], int, int]:
     return coord, layout, coord[0] * layout[1] + coord[1], layout[0] * layout[1]
 
 
-def _throughput(model, spec: JobSpec, split, layout: list[int], batch: tuple[int, int]):
+def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int, int]):
     """(tokens per rank, tokens per step, FLOPs per token on this rank, peak FLOP/s). The
     T ranks of a tensor-parallel group share their tokens' FLOPs: each does 1/T."""
-    dp_size, tp = layout[0] * layout[1], (layout[2] if len(layout) > 2 else 1)
+    dp_size = _layout(mesh)[3]
     blocks = len(split.fsdp_units)
     hidden = next((m.embedding_dim for m in model.modules()
                    if isinstance(m, torch.nn.Embedding)), 0)
     per_rank = batch[0] * batch[1] * spec.seq_len
     return (per_rank, per_rank * dp_size,
-            flops_per_token(model, blocks, hidden, spec.seq_len) / tp,
+            flops_per_token(model, blocks, hidden, spec.seq_len) / tp_size(mesh),
             peak_flops(spec.metrics.peak_tflops, device()))
 
 
@@ -193,7 +193,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
-    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, layout, batch)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, mesh, batch)
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
