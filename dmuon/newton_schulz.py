@@ -103,13 +103,21 @@ def default_ns_dtype(device: torch.device, backend: str, input_dtype: torch.dtyp
     return input_dtype
 
 
+def norm_precision(dtype: torch.dtype) -> torch.dtype:
+    """Where a matrix is divided by its norm before NS: its own precision, but fp32 for
+    fp16, whose 5 exponent bits overflow the norm above 65504 and flush elements below
+    6e-8 to zero (bf16 keeps fp32's exponent range)."""
+    return torch.float32 if dtype == torch.float16 else dtype
+
+
 def _normalised_wide(G: torch.Tensor, dtype: torch.dtype, eps: float):
-    X = G.to(dtype)
+    """G, oriented wide, over its Frobenius norm, then cast to ``dtype``: normalised
+    first, so half precision only ever holds values of norm 1 (casting first lost
+    fp16 to underflow at element scale 1e-7 and to overflow at 1e3)."""
     tall = G.size(-2) > G.size(-1)
-    if tall:
-        X = X.mT
+    X = (G.mT if tall else G).to(norm_precision(G.dtype))
     norm = X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
-    return X / norm, tall
+    return (X / norm).to(dtype), tall
 
 
 def _addmm(C, A, B, beta=1.0, alpha=1.0):
@@ -129,8 +137,8 @@ def _standard(X: torch.Tensor, schedule) -> torch.Tensor:
 
 
 def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
-          normalise_eps: float | None = None,
-          inner: torch.dtype | None = None) -> torch.Tensor:
+          inner: torch.dtype | None = None, first_gram: torch.Tensor | None = None,
+          ) -> torch.Tensor:
     """NS on the m x m Gram matrix R = X Xᵀ of a wide X (m <= n).
 
     X_k = Q_k X_0 with Q_k a polynomial in R_0, so the iteration runs on m x m
@@ -140,8 +148,8 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
     m x m iteration runs in ``inner`` (default: X's dtype, not promoted).
     ``restart`` rebuilds X <- Q X and R once, at iteration 2, which bounds the error
     growth of R <- P R P. ``gram_sum`` completes X Xᵀ when X holds a shard of the matrix's
-    columns (tensor parallel); there X is normalised here (``normalise_eps``), by
-    ‖X‖_F² = trace(X Xᵀ), which needs no communication of its own.
+    columns (tensor parallel); there the caller normalises X and passes its first Gram
+    (``first_gram``), which it sums in full precision.
     """
     inner = inner or X.dtype
 
@@ -150,10 +158,7 @@ def _gram(X: torch.Tensor, schedule, restart: bool, gram_sum=None,
         return gram_sum(r) if gram_sum is not None else r
 
     steps, restart_at = len(schedule), restart_index(len(schedule), restart)
-    R, Q = gram(X), None
-    if normalise_eps is not None:
-        norm = R.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=normalise_eps)
-        X, R = X / norm.to(X.dtype), R / (norm * norm)
+    R, Q = (gram(X) if first_gram is None else first_gram.to(inner)), None
     for i, (a, b, c) in enumerate(schedule):
         if i == restart_at:
             X, Q = Q.to(X.dtype) @ X, None

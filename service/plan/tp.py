@@ -127,6 +127,9 @@ def gram_bytes(plan: DedicationPlan, slot: int, T: int, *, gram_elt: int,
     its T ranks sends them), phase ``step``; ``plan``: the stored (global, annotated)
     partition."""
     grams = 2 if restart_index(steps, True) is not None else 1
+    # the first Gram carries the unnormalised matrix: summed in fp32 (fp64 masters: fp64)
+    # whatever NS's precision (dmuon.tp), the restart's in NS's own
+    first_elt = 8 if master_elt == 8 else 4
     total = Fraction(0)
     for a in plan.params.values():
         if a.owner != slot or a.tp is None:
@@ -135,7 +138,8 @@ def gram_bytes(plan: DedicationPlan, slot: int, T: int, *, gram_elt: int,
             total += Fraction(T - 1, T) * a.numel * master_elt
         else:
             m = min(a.shape)
-            total += grams * Fraction(2 * (T - 1), T) * m * m * gram_elt
+            elts = first_elt + (grams - 1) * gram_elt
+            total += elts * Fraction(2 * (T - 1), T) * m * m
     return total
 
 
