@@ -199,6 +199,11 @@ class Boundary:
         return self.column_values.numel() * self.column_values.element_size() + masters
 
     def free(self) -> None:
+        """Release the packed storage, once no side stream may still write it: an
+        all-gather in flight (a prefetch that did not run) is waited for first."""
+        if self.gather is not None:
+            self.gather.wait()
+            self.gather = None
         for t in self._storages():
             t.untyped_storage().resize_(0)
         self.fresh = False
@@ -215,15 +220,14 @@ class Boundary:
             return
         self._alloc()
         ctx = self.ctx
-        with ctx.streams.issuing("gather"):
+        with ctx.streams.issuing("gather") as issued:
             # HSDP: this reads the column values the async replicate all-gather writes.
             # Waited for here, on CUDA only the gather stream waits: a prefetch issued in
             # boundary k's pre-forward must not hold k's compute until k+1's replicate lands
             self.wait_replicate()
             work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
                                      ctx.shard_group, ctx.ledger, "shard", phase)
-        self.gather = comm.Pending(work, self.packed, self.column_values,
-                                   on_stream=ctx.streams.cuda)
+        self.gather = comm.Pending(work, self.packed, self.column_values, issued=issued)
 
     @torch.no_grad()
     def wait_gather(self) -> None:
@@ -257,10 +261,10 @@ class Boundary:
             return
         mine = self.column_values[self.owned_offset:
                                   self.owned_offset + self.replica_sizes[ctx.replicate_rank]]
-        with ctx.streams.issuing("gather"):
+        with ctx.streams.issuing("gather") as issued:
             work = comm.all_gather_v(self.column_values, self.replica_sizes, mine,
                                      ctx.replicate_group, ctx.ledger, "replicate", "replicate")
-        self.replicate = comm.Pending(work, self.column_values, on_stream=ctx.streams.cuda)
+        self.replicate = comm.Pending(work, self.column_values, issued=issued)
 
     def wait_replicate(self) -> None:
         if self.replicate is not None:

@@ -71,31 +71,51 @@ class Ledger:
         return out
 
 
-class Pending:
-    """An issued collective and the buffers it reads or writes, kept alive until it is
-    waited for (on CUDA the caching allocator may otherwise hand their memory to the
-    compute stream while the communication stream still uses it)."""
+class Issued:
+    """What one ``Streams.issuing`` block enqueued on its side stream: on CUDA an event
+    recorded at the block's end, on the CPU nothing. Its consumer waits for it whether
+    or not a collective went out: a group of one rank sends nothing, but its copy into
+    the packed buffer still ran on the side stream."""
 
-    def __init__(self, work, *buffers, on_stream: bool = False):
-        self.work, self.buffers, self.on_stream = work, buffers, on_stream
+    def __init__(self, on_stream: bool = False):
+        self.on_stream, self.event = on_stream, None
+
+    def wait(self) -> None:
+        """The current stream waits for the side stream's work (kept: a second consumer
+        on another stream must wait too)."""
+        if self.event is not None:
+            self.event.wait()
+
+
+class Pending:
+    """An issued collective, the side-stream work around it (``issued``) and the buffers
+    it reads or writes, kept alive until it is waited for (on CUDA the caching allocator
+    may otherwise hand their memory to the compute stream while the side stream still
+    uses it)."""
+
+    def __init__(self, work, *buffers, issued: Issued | None = None):
+        self.work, self.buffers = work, buffers
+        self.issued = issued or Issued()
 
     def done(self) -> bool:
         """True once waiting costs nothing: on a CUDA stream the wait only orders
         streams; on the CPU the work must have finished."""
-        return self.work is None or self.on_stream or self.work.is_completed()
+        return self.work is None or self.issued.on_stream or self.work.is_completed()
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()  # NCCL: the current stream waits; gloo: the thread blocks
             self.work = None
+        self.issued.wait()
 
 
 class Streams:
     """Where collectives are issued. On CUDA, parameter gathers and gradient reduces each
     get a stream of their own, which first waits for the compute stream so that their
-    inputs are ready; consumers wait for the work, which on NCCL orders the compute
-    stream after it without blocking the CPU. On the CPU gloo runs async work on its own
-    threads: no streams, and nothing here touches ``torch.cuda``."""
+    inputs are ready; consumers wait for the work and for an event recorded after it on
+    the side stream (``Issued``), which orders the compute stream after both without
+    blocking the CPU. On the CPU gloo runs async work on its own threads: no streams,
+    and nothing here touches ``torch.cuda``."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -105,13 +125,17 @@ class Streams:
 
     @contextlib.contextmanager
     def issuing(self, kind: str):
+        """Run the block on ``kind``'s side stream; yields the ``Issued`` its consumer's
+        ``Pending`` waits for."""
         stream = self._streams.get(kind)
         if stream is None:
-            yield
+            yield Issued()
             return
+        issued = Issued(on_stream=True)
         stream.wait_stream(torch.cuda.current_stream(stream.device))
         with torch.cuda.stream(stream):
-            yield
+            yield issued
+        issued.event = stream.record_event()
 
 
 def one_launch(tensor: torch.Tensor) -> bool:

@@ -110,11 +110,10 @@ class GradientReduce:
         # gradient scale): one reduction kernel, no host sync
         self.presence[self.num_units + self.rank] += (~flat.sum().isfinite()).float()
         out = torch.empty(b.column_sizes[ctx.shard_rank], dtype=flat.dtype, device=flat.device)
-        with ctx.streams.issuing("reduce"):
+        with ctx.streams.issuing("reduce") as issued:
             work = comm.reduce_scatter_v(out, flat, b.column_sizes, ctx.reduce_group,
                                          ctx.ledger, "shard", "reduce")
-        self._in_flight.append(InFlight(b, comm.Pending(work, flat, out,
-                                                        on_stream=ctx.streams.cuda), out))
+        self._in_flight.append(InFlight(b, comm.Pending(work, flat, out, issued=issued), out))
 
     def _advance(self, block: bool) -> None:
         """HSDP: each column's replicate-stage reduce-scatter goes out once its shard
@@ -133,13 +132,12 @@ class GradientReduce:
             b = item.boundary
             item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
                                          dtype=item.column_out.dtype, device=ctx.device)
-            with ctx.streams.issuing("reduce"):
+            with ctx.streams.issuing("reduce") as issued:
                 item.column.wait()  # on CUDA the reduce stream waits, not the compute stream
                 work = comm.reduce_scatter_v(item.owned_out, item.column_out, b.replica_sizes,
                                              ctx.replicate_group, ctx.ledger, "replicate",
                                              "reduce")
-            item.owned = comm.Pending(work, item.column_out, item.owned_out,
-                                      on_stream=ctx.streams.cuda)
+            item.owned = comm.Pending(work, item.column_out, item.owned_out, issued=issued)
 
     # -- at the step -----------------------------------------------------------------
     def prepare_step(self, fsdp2_nonfinite: torch.Tensor | None = None) -> None:

@@ -73,8 +73,8 @@ def _replicate_waits(events):
     def tracked_issuing(streams, kind):
         outer, where[0] = where[0], kind
         try:
-            with issuing(streams, kind):
-                yield
+            with issuing(streams, kind) as issued:
+                yield issued
         finally:
             where[0] = outer
 
