@@ -4,9 +4,9 @@ plan alone, so a 70B layout can be costed on a laptop.
 
 Per step, rank (r, s) of an R x N layout moves, with P the Muon-target elements:
 - shard: all-gather (N-1)/N x P x param bytes in forward, again in backward under Z3,
-  reduce-scatter (N-1)/N x P x reduce bytes, and one all-reduce 2(N-1)/N x 4 bytes per
+  reduce-scatter (N-1)/N x P x reduce bytes, and all-reduces of 2(N-1)/N x 4 bytes per
   flag: one per unit (which units got a gradient anywhere), one per rank and one more
-  (which ranks' gradients were not finite);
+  (which ranks' gradients were not finite), then after NS one (an update not finite);
 - replicate (R > 1): reduce-scatter (R-1)/R x C_s x reduce bytes and, after the step,
   all-gather (R-1)/R x C_s x param bytes, C_s the elements of its shard column; the
   same all-reduce of flags.
@@ -22,8 +22,9 @@ PRESENCE_BYTES = 4  # one fp32 flag
 
 
 def presence_flags(plan: DedicationPlan) -> int:
-    """Flags in the step's all-reduce: per unit, per rank, and FSDP2's."""
-    return len(plan.params) + plan.world_size + 1
+    """Flags the step all-reduces: per unit, per rank and FSDP2's before the landing,
+    and one after NS (``Muon._check_updates``)."""
+    return len(plan.params) + plan.world_size + 1 + 1
 
 
 def exact(value: Fraction) -> int | float:

@@ -250,6 +250,7 @@ def _attach(model: nn.Module, state: DMuonState) -> None:
             if m.tp is not None:
                 plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
                 plan.tp_size = m.tp.size
+                state.ctx.tp_group = m.tp.group
     for fqn in plan.param_fqns:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         params[fqn]._dmuon_owner_state = state  # param groups find the state

@@ -239,7 +239,25 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        schedule, pending, skip = self._schedule(), {}, False
+        updates, skip = self._orthogonalised_updates()
+        if not skip:
+            skip = self._check_updates(updates)
+        if skip:
+            self.skipped_steps += 1
+            self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
+        else:
+            for p, ortho, group, full_shape in updates:
+                _apply(p, ortho, group, full_shape)
+            if any(g["params"] for g in self._adamw.param_groups):
+                self._adamw.step()
+        self._state.after_step(self.replicate_async)
+        self._state.ledger.close_step()
+        return loss
+
+    def _orthogonalised_updates(self) -> tuple[list, bool]:
+        """Every owned matrix's orthogonalised update, computed as its gradient lands;
+        or, when some rank's gradients were not finite, none (True: skip the step)."""
+        schedule, pending, updates, skip = self._schedule(), {}, [], False
         self.nonfinite_ranks = []
         for i, b in enumerate(self._state.landing_order()):
             if i == 0:  # the first landing waited for the flags every rank shares
@@ -248,17 +266,24 @@ class Muon(torch.optim.Optimizer):
             if skip:
                 continue
             for group, p in schedule[id(b)]["params"]:
-                self._momentum_and_tp(group, p, pending)
+                self._momentum_and_tp(group, p, pending, updates)
             for key in schedule[id(b)]["batches"]:
-                self._orthogonalise(self.param_groups[key[0]], pending.pop(key, []))
-        if skip:
-            self.skipped_steps += 1
-            self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
-        elif any(g["params"] for g in self._adamw.param_groups):
-            self._adamw.step()
-        self._state.after_step(self.replicate_async)
-        self._state.ledger.close_step()
-        return loss
+                updates += self._orthogonalise(self.param_groups[key[0]], pending.pop(key, []))
+        return updates, skip
+
+    def _check_updates(self, updates: list) -> bool:
+        """Whether an orthogonalised update is not finite on some rank (NS overflowing
+        in half precision, say): agreed on every rank, TP peers included, before any
+        param moves, so every rank skips the same steps. Momentum keeps the (finite)
+        gradient it absorbed."""
+        local = torch.zeros((), device=self._state.ctx.device)
+        for _, ortho, _, _ in updates:
+            local += ~ortho.sum().isfinite()
+        if not self._state.reduce.any_rank(local):
+            return False
+        if not self.nonfinite_ranks:
+            self.nonfinite_ranks = ["update"]
+        return self.skip_nonfinite
 
     @staticmethod
     def _ns_options(group) -> dict:
@@ -266,9 +291,11 @@ class Muon(torch.optim.Optimizer):
                     coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
                     eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
 
-    def _momentum_and_tp(self, group, p, pending: dict) -> None:
+    def _momentum_and_tp(self, group, p, pending: dict, updates: list) -> None:
         """Momentum; a TP shard orthogonalises at once with its peers (one matrix at a
-        time), anything else waits in its batch."""
+        time), anything else waits in its batch. TP peers agree on ``p.grad`` (the
+        presence flags are summed over TP), so both or neither issue the Gram's
+        all-reduce."""
         if p.grad is None:
             return
         state = self.state[p]
@@ -279,21 +306,22 @@ class Muon(torch.optim.Optimizer):
         if tp is not None:
             ortho = tp_newton_schulz(update, shard=tp, ledger=self._state.ledger,
                                      **self._ns_options(group))
-            _apply(p, ortho, group, tp.full_shape)
+            updates.append((p, ortho, group, tp.full_shape))
             return
         g = next(i for i, x in enumerate(self.param_groups) if x is group)
         pending.setdefault((g, tuple(p.shape[-2:]), p.dtype), []).append((p, update))
 
-    def _orthogonalise(self, group, entries: list) -> None:
-        """NS once for a batch of same-shape matrices (and slices of experts)."""
+    def _orthogonalise(self, group, entries: list) -> list:
+        """NS once for a batch of same-shape matrices (and slices of experts): the
+        updates ``(param, ortho, group, shape)``."""
         if not entries:
-            return
+            return []
         shape = entries[0][0].shape[-2:]
         ortho = newton_schulz(torch.cat([u.reshape(-1, *shape) for _, u in entries]),
                               **self._ns_options(group))
         sizes = [u.numel() // shape.numel() for _, u in entries]
-        for (p, _), part in zip(entries, ortho.split(sizes)):
-            _apply(p, part.view_as(p), group, p.shape)
+        return [(p, part.view_as(p), group, p.shape)
+                for (p, _), part in zip(entries, ortho.split(sizes))]
 
 
 def _group_kind(index: int, params) -> str:

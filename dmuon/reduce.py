@@ -17,6 +17,9 @@ optimizer skips it, as FSDP2 and ``torch.optim`` do for their own params.
 The same all-reduce carries one flag per rank, set when a gradient this rank reduced
 was not finite (its NaN or inf would reach every owner), and one for FSDP2's reduced
 shards: every rank learns the same set of ranks, so every rank skips the same steps.
+The flags are summed over every group the step's collectives use, TP included: TP peers
+hold different shards of a matrix (one may see a NaN or a gradient the other does not),
+and a peer that skipped while the other all-reduced its Gram would hang NCCL.
 """
 
 from __future__ import annotations
@@ -27,6 +30,20 @@ import torch
 
 from . import comm
 from .buffers import Boundary
+
+
+def divide_factors(world: int, dtype: torch.dtype) -> tuple[int, int]:
+    """(before, after): the gradient sum over ``world`` ranks is divided by ``before``
+    on each rank before the reduce and by ``after`` once it lands. fp16 (5 exponent bits)
+    can overflow in a large group's sum, so it is divided by about sqrt(world) before
+    and the rest after, as FSDP2 does (``_get_gradient_divide_factors``; the same powers
+    of two); wider formats sum first and divide once."""
+    if dtype in (torch.float32, torch.float64, torch.bfloat16):
+        return 1, world
+    before = 1
+    while world % before == 0 and world / before > before:
+        before *= 2
+    return before, world // before
 
 
 @dataclass
@@ -106,6 +123,9 @@ class GradientReduce:
     def _issue(self, b: Boundary) -> None:
         ctx, flat = self.ctx, b.take_gradient()
         self._finished = False
+        before, _ = divide_factors(ctx.shard_size * ctx.replicate_size, flat.dtype)
+        if before > 1:
+            flat.div_(before)
         # the sum of a gradient is finite exactly when its elements are (no overflow at
         # gradient scale): one reduction kernel, no host sync
         self.presence[self.num_units + self.rank] += (~flat.sum().isfinite()).float()
@@ -149,19 +169,37 @@ class GradientReduce:
             return
         if fsdp2_nonfinite is not None:
             self.presence[-1] += fsdp2_nonfinite
+        self._presence = self._agreement_groups()
+        group, dim = self._presence[0]
+        self._presence_work = comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim,
+                                                  "step")
+
+    def _agreement_groups(self) -> list[tuple]:
+        """The groups whose sums, one after the other, reach every rank of the layout:
+        shard, then replicate and TP where they have peers."""
         ctx = self.ctx
-        self._presence = [(self.presence, ctx.shard_group, "shard")]
+        groups = [(ctx.shard_group, "shard")]
         if ctx.replicate_size > 1:
-            self._presence.append((self.presence, ctx.presence_group, "replicate"))
-        tensor, group, dim = self._presence[0]
-        self._presence_work = comm.all_reduce_sum(tensor, group, ctx.ledger, dim, "step")
+            groups.append((ctx.presence_group, "replicate"))
+        if ctx.tp_group is not None:
+            groups.append((ctx.tp_group, "tp"))
+        return groups
+
+    def any_rank(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` (one float, nonzero: set) is set on any rank of the layout;
+        every rank calls it."""
+        total = flag.reshape(1).float()
+        for group, dim in self._agreement_groups():
+            comm.wait(comm.all_reduce_sum(total, group, self.ctx.ledger, dim, "step"))
+        return bool(total.item())
 
     def _present(self) -> list:
         """Which units got a gradient on any rank this step (waited for once)."""
         if self._present_units is None:
             comm.wait(self._presence_work)
-            for tensor, group, dim in self._presence[1:]:
-                comm.wait(comm.all_reduce_sum(tensor, group, self.ctx.ledger, dim, "step"))
+            for group, dim in self._presence[1:]:
+                comm.wait(comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim,
+                                              "step"))
             self._present_units = self.presence.tolist()
             world = len(self._present_units) - self.num_units - 1
             flags = self._present_units[self.num_units:]
@@ -183,11 +221,12 @@ class GradientReduce:
         retained = {m.fqn for m in b.owned if b.masters[m.fqn].grad is not None}
         for item in items:
             item.column.wait()
+            _, after = divide_factors(world, item.column_out.dtype)
             if self.ctx.replicate_size == 1:
-                b.land(item.column_out, world)
+                b.land(item.column_out, after)
             elif item.owned is not None:
                 item.owned.wait()
-                b.land(item.owned_out, world)
+                b.land(item.owned_out, after)
             self._in_flight.remove(item)
         present = self._present()
         for m in b.owned:

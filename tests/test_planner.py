@@ -80,8 +80,9 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
         for rank in (placement.ranks[0], placement.ranks[-1]):
             shard = sum(v for k, v in rank.ledger["shard"].items() if k != "step")
             assert shard == passes * 7 * p_m * elt / 8  # 2 or 3 (N-1)/N x P_M x elt
-            # the step's flags: gradient presence per unit, non-finite per rank and FSDP2's
-            flags = units + nodes * 8 + 1
+            # the step's flags: gradient presence per unit, non-finite per rank and FSDP2's,
+            # and the orthogonalised updates' after NS
+            flags = units + nodes * 8 + 1 + 1
             assert rank.ledger["shard"]["step"] == 2 * 7 * flags * 4 / 8
             assert rank.memory["packed_buffers"] == (p_m * elt if mode == "z2" else 0)
             # Z3: the running layer and the one prefetched

@@ -168,8 +168,11 @@ def test_tp_bytes_are_the_activation_collectives_and_gram_all_reduces(checkpoint
         slot = rank.rank // T
         tp = dict(rank.ledger["tp"])
         clip = 2 * (T - 1) / T * 2 * F64  # clip_grad_norm_'s two squares
+        # the step's fp32 flags: per unit, per DP rank, FSDP2's, then one after NS
+        flags = 2 * (T - 1) / T * (len(owners) + R * N + 2) * 4
         owned = [u for u, a in owners.items() if a["owner"] == slot]
-        assert tp.pop("step") == pytest.approx(_gram_bytes(owned, T, F64) + clip, rel=1e-12)
+        assert tp.pop("step") == pytest.approx(_gram_bytes(owned, T, F64) + clip + flags,
+                                               rel=1e-12)
         expected = {k: micros * v for k, v in _activation_bytes(2, 16, T, recomputed).items()}
         assert tp == pytest.approx(expected, rel=1e-12)
         seconds = sum(sum(p.values()) / bw for p, bw in (

@@ -57,8 +57,8 @@ class StepRecord(BaseModel):
     grad_norm: Number = None  # before clipping
     skipped: bool = False  # this step's update skipped: a gradient was not finite
     skipped_steps: Count = 0  # steps skipped so far in this run
-    nonfinite_ranks: list[Count | Literal["fsdp2"]] = Field(default_factory=list,
-                                                            max_length=1 << 16)
+    nonfinite_ranks: list[Count | Literal["fsdp2", "update"]] = Field(
+        default_factory=list, max_length=1 << 16)
     lr: dict[text(16), Number] = Field(default_factory=dict, max_length=8)  # per group kind
     bytes: dict[text(64), Count | float] = Field(default_factory=dict, max_length=64)
     memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)

@@ -212,8 +212,9 @@ def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
     out = {k: v * micros for k, v in act.items()}
     gram = gram_bytes(plan, slot, view.T, gram_elt=_gram_elt(spec, master),
                       master_elt=master, steps=spec.optimizer.ns_steps)
-    if gram:
-        out["step"] = gram
+    # the step's flags are summed over TP as over the DP dims (every peer skips alike)
+    flags = Fraction(2 * (view.T - 1), view.T) * cost.presence_flags(plan) * cost.PRESENCE_BYTES
+    out["step"] = gram + flags
     return out
 
 

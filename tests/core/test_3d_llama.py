@@ -209,4 +209,8 @@ def test_ledger_tp_bytes_are_the_activation_collectives_and_gram_all_reduces(lay
         assert activations == pytest.approx(_activation_bytes(rows, T), rel=1e-12)
         assert res["observed_tp_activation_bytes"] == pytest.approx(activations, rel=1e-12)
         owned = [f for f, a in res["plan"]["params"].items() if a["owner"] == res["dp"]]
-        assert tp["step"] == pytest.approx(_gram_bytes(owned, T), rel=1e-12)
+        # and the step's fp32 flags, summed over TP too: per unit, per DP rank, FSDP2's,
+        # then one after NS
+        flags = len(res["plan"]["params"]) + R * N + 1 + 1
+        assert tp["step"] == pytest.approx(_gram_bytes(owned, T) + 2 * (T - 1) / T * flags * 4,
+                                           rel=1e-12)

@@ -70,8 +70,9 @@ def test_replicate_bytes_per_column_and_one_ns_per_matrix():
         shard = {p: ledger["shard"][p] for p in ("forward", "backward", "reduce")}
         assert sum(shard.values()) == 3 * (N - 1) * p_m * ELT / N
         # one fp32 all-reduce per dim of flags: which units got a gradient anywhere,
-        # which ranks' gradients were not finite (one per rank, one for FSDP2's)
-        flags = len(plan.params) + R * N + 1
+        # which ranks' gradients were not finite (one per rank, one for FSDP2's); then,
+        # after NS, one more all-reduce of one flag (an update not finite)
+        flags = len(plan.params) + R * N + 1 + 1
         assert ledger["shard"]["step"] == 2 * (N - 1) * flags * 4 / N
         assert ledger["replicate"]["step"] == 2 * (R - 1) * flags * 4 / R
     # NS once per matrix over all R x N ranks: every matrix has exactly one owner slot

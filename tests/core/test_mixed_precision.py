@@ -216,3 +216,38 @@ def test_one_step_at_small_lr_changes_the_fp32_masters():
         same, total = same + s, total + t
     print(f"unchanged after one lr=1e-3 step: {same} of {total}")
     assert same <= 0.001 * total
+
+
+# -- fp16 reduces: divided before and after, as FSDP2 does ------------------------------
+FP16_GRAD = 2.0e4  # every rank's gradient element: 4 of them sum to 8e4 > fp16's 65504
+
+
+class _OneMatrix(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _fp16_reduce(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = _OneMatrix()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2, mp_policy=policy)
+    # d/dW of sum(FP16_GRAD * W x) with x all ones: FP16_GRAD in every element, every rank
+    (model(torch.ones(1, 16, dtype=torch.float16)) * FP16_GRAD).sum().backward()
+    dmuon.wait_all_reduces(model)
+    return {fqn: t.grad for fqn, t in dmuon.get_state(model).owned_params.items()}
+
+
+def test_fp16_gradients_are_divided_before_the_reduce_so_the_sum_cannot_overflow():
+    """Summed first, 4 x 2e4 is inf in fp16; divided by 2 before and 2 after (FSDP2's
+    factors for 4 ranks) every sum stays in range and the mean is exact."""
+    owned = [g for res in run(_fp16_reduce, world_size=4) for g in res.values()]
+    assert len(owned) == 1  # one matrix, one owner
+    assert torch.equal(owned[0], torch.full((16, 16), FP16_GRAD))

@@ -51,3 +51,45 @@ def test_a_nonfinite_step_on_one_rank_is_skipped_on_every_rank(name):
         assert injected["flagged"] == [[2] if s in BAD else [] for s in range(STEPS)], rank
         for key, value in clean["final"].items():
             assert torch.equal(injected["final"][key], value), (name, rank, key)
+
+
+BLOWN = "model.layers.1.mlp.up_proj.weight"
+
+
+def _blown_update(rank, world):
+    """One matrix's NS overflows (its group's coefficients grow it by 1e100 an
+    iteration) on its owner only: its gradient, and every other rank's, is finite."""
+    from _model import build_model, get_config, muon_predicate
+    from _train import HPARAMS
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    plan = dmuon.dedicate_params(model, mesh, predicate=muon_predicate)
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=mesh)
+    dmuon.fully_shard(model, mesh=mesh)
+    initial = dmuon.full_state_dict(model)
+    blown = model.get_parameter(BLOWN)
+    dedicated = dmuon.ignored_params(model)  # the dedicated params (FSDP2 skips them)
+    groups = [{"params": [blown], "ns_coefficients": (1e100, 0.0, 0.0)},
+              {"params": [p for p in dmuon.get_dedicated_params(model) if p is not blown]},
+              {"params": [p for p in model.parameters() if p not in dedicated]}]
+    opt = dmuon.Muon(groups, **HPARAMS, ns_dtype=torch.float64)
+    flagged = []
+    for batch in global_batches(2):
+        loss_of(model, local_rows(batch, rank, world)).backward()
+        opt.step()
+        opt.zero_grad()
+        flagged.append(list(opt.nonfinite_ranks))
+    return {"initial": initial, "final": dmuon.full_state_dict(model), "flagged": flagged,
+            "skipped": opt.skipped_steps, "owner": plan.params[BLOWN].owner}
+
+
+def test_a_nonfinite_update_on_its_owner_is_skipped_on_every_rank():
+    results = run(_blown_update, world_size=4)
+    assert {r["owner"] for r in results} == {results[0]["owner"]}
+    for rank, res in enumerate(results):
+        assert res["skipped"] == 2 and res["flagged"] == [["update"], ["update"]], rank
+        for key, value in res["initial"].items():  # nothing moved: Muon, AdamW alike
+            assert torch.equal(res["final"][key], value), (rank, key)

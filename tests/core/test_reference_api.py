@@ -256,8 +256,8 @@ def test_ddp_composition_matches_the_float64_reference_and_its_byte_formula():
         # every rank keeps every matrix: nothing moves on the shard group of one; the
         # replicate group carries the reduce-scatter to the owner and the all-gather of
         # the update, (R-1)/R x P_M x elt each, and the step's flags (4 B each: one per
-        # matrix, one per rank, one for FSDP2's shards)
+        # matrix, one per rank, one for FSDP2's shards, one after NS for the updates)
         assert sum(ledger["shard"].values()) == 0, rank
         assert ledger["replicate"]["reduce"] == ledger["replicate"]["replicate"] \
             == (R - 1) * p_m * elt / R
-        assert ledger["replicate"]["step"] == 2 * (R - 1) * (units + R + 1) * 4 / R
+        assert ledger["replicate"]["step"] == 2 * (R - 1) * (units + R + 2) * 4 / R

@@ -94,6 +94,10 @@ def test_tp_communication_follows_the_gram_rule():
                 expected += (TP - 1) * rows * cols * 8 / TP
                 gathered.append(rows * cols)  # the whole gathered matrix
                 assert res["plan"]["params"][fqn]["tp"] == "gather"
+        # the step's flags are summed over TP too (fp32, all-reduce): one per unit, per DP
+        # rank and FSDP2's, then one after NS
+        flags = len(res["plan"]["params"]) + DP + 1 + 1
+        expected += 2 * (TP - 1) * flags * 4 / TP
         assert res["tp_bytes"] == expected
         for step_calls in res["gathers"]:
             assert sorted(c.numel for c in step_calls) == sorted(gathered)
@@ -124,3 +128,53 @@ def test_tp_checkpoint_restart_is_bit_identical(tmp_path):
     for a, b in zip(full, resumed):
         for key, value in a["full"].items():
             assert torch.equal(value, b["full"][key]), key
+
+
+NAN_STEP, NAN_PARAM = 1, "model.layers.0.mlp.gate_proj.weight"
+
+
+def _nan_on_one_peer(rank, world):
+    """4 steps; at step 1 the gradient of one TP-sharded matrix is NaN on global rank 0
+    only (dp 0, tp 0): its TP peer (dp 0, tp 1) and the other DP row saw nothing."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], _tp_plan())
+    dmuon.dedicate_params(model, mesh["dp"], predicate=muon_predicate)
+    ignored = dmuon.ignored_params(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"], ignored_params=ignored)
+    fully_shard(model, mesh=mesh["dp"], ignored_params=ignored)
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    step_now = [0]
+
+    def poison(grad):
+        if rank == 0 and step_now[0] == NAN_STEP:
+            grad = grad.clone()
+            grad.to_local()[0, 0] = float("nan")
+        return grad
+
+    model.get_parameter(NAN_PARAM).register_hook(poison)
+    skipped, flagged = [], []
+    for step, batch in enumerate(global_batches(4)):
+        step_now[0] = step
+        loss_of(model, local_rows(batch, mesh["dp"].get_local_rank(), DP)).backward()
+        opt.step()
+        opt.zero_grad()
+        skipped.append(opt.skipped_steps)
+        flagged.append(list(opt.nonfinite_ranks))
+    full = dmuon.full_state_dict(model)
+    return skipped, flagged, all(bool(v.isfinite().all()) for v in full.values())
+
+
+def test_a_nan_in_one_tp_peers_shard_skips_the_step_on_every_rank():
+    """Before the flags were summed over TP, the peer without the NaN went on to the
+    Gram all-reduce its skipping peer never issued: a hang."""
+    for rank, (skipped, flagged, finite) in enumerate(run(_nan_on_one_peer, world_size=4)):
+        assert skipped == [0, 1, 1, 1], rank
+        assert flagged[NAN_STEP] == [0], rank  # dp rank 0's gradient, named on every rank
+        assert finite, rank
