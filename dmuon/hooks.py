@@ -43,6 +43,7 @@ class BoundaryHooks:
         self._pending_calls = 0  # forward calls whose backward has not finished
         self._complete_on_grads = False  # inputs need no grad: the last gradient ends it
         self._grads_seen: set[int] = set()
+        self._open = False  # a forward with grad ran and its backward has not ended here
         self._regathered = False
         self._hooked: set[int] = set()
         module._dmuon_boundary = self
@@ -97,6 +98,7 @@ class BoundaryHooks:
     def _mark_inputs(self, args, kwargs):
         flat, spec = tree_flatten((args, kwargs))
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+        self._open = self._open or torch.is_grad_enabled()
         if not idx or not torch.is_grad_enabled():
             self._complete_on_grads = torch.is_grad_enabled()
             return args, kwargs
@@ -145,7 +147,17 @@ class BoundaryHooks:
             self._pending_calls = 0
             self._complete()
 
+    def end_backward(self) -> None:
+        """The backward is over: a boundary it did not end here ends now. Which boundary
+        ends during the backward depends on this rank's data (a boundary whose inputs
+        need no grad ends at its last param's gradient, and a param may get none here),
+        but every rank ends each boundary by the end of the backward: freed in Z3, so
+        the next forward gathers it on every rank alike, and handed to the reduce."""
+        if self._open:
+            self._complete()
+
     def _complete(self) -> None:
+        self._open = False
         self._grads_seen.clear()
         if self.state.reshard_after_forward:
             self.boundary.free()
@@ -155,4 +167,5 @@ class BoundaryHooks:
     def reset(self) -> None:
         """A new forward starts: nothing of the previous backward is pending."""
         self._pending_calls = 0
+        self._open = False
         self._grads_seen.clear()

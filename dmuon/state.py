@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .cuda_graphs import check_no_cuda_graphs
 from .fqn import canonical_fqn, params_by_name
 from .partition import DedicationPlan
 
@@ -40,6 +41,7 @@ class RankContext:
     ledger: comm.Ledger
     streams: comm.Streams
     reduce_dtype: torch.dtype | None = None
+    tp_group: object = None  # the TP peers of dedicated TP shards (their NS talks there)
 
 
 class DMuonState:
@@ -109,6 +111,8 @@ class DMuonState:
             return
         self.check_initialised()
         self.check_dedicated()
+        check_no_cuda_graphs(((h.name, h.module) for h in self.hooks),
+                             self.reshard_after_forward)
         for b in self.boundaries:
             b.free()
         self.set_up_checked = True
@@ -165,6 +169,9 @@ class DMuonState:
         return grad
 
     def end_backward(self) -> None:
+        if self.in_backward:
+            for h in self.hooks:
+                h.end_backward()
         self.in_backward = False
         self.reduce.end_backward()
         for h in self.hooks:

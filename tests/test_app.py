@@ -150,6 +150,9 @@ def test_prometheus_counts_jobs_by_status(svc):
      "spec.optimizer.adamw_betas.1"),
     ('{"spec":{"resources_per_worker":{"custom":{"tpu":1e999}}},"dry_run":true}',
      "spec.resources_per_worker.custom.tpu"),
+    # not a float, but a refusal that reads two fields: named by the one to change
+    ('{"spec":{"compile":{"enabled":true,"mode":"reduce-overhead"}},"dry_run":true}',
+     "spec.compile.mode"),
 ])
 def test_non_finite_floats_are_refused_and_the_job_list_stays_up(svc, raw, field):
     before = svc.request("GET", "/v1/jobs?limit=10000")[1]

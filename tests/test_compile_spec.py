@@ -3,7 +3,10 @@ blocks are checked against eager in tests/core/test_compile.py)."""
 
 from __future__ import annotations
 
+import pytest
+
 from dmuon.testing import run
+from service.spec import SpecError, parse_spec
 
 
 def _spec_compiles(rank, world):
@@ -24,3 +27,15 @@ def _spec_compiles(rank, world):
 def test_the_specs_compile_true_compiles_each_block_in_place():
     for compiled, options in run(_spec_compiles, world_size=2):
         assert compiled == [True, True] and options["backend"] == "inductor"
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune"])
+def test_cuda_graph_compile_modes_are_refused_unless_z2(mode):
+    for dmuon_mode in ("z3", "auto"):
+        with pytest.raises(SpecError, match=r"compile\.mode: compile\.mode=" + mode):
+            parse_spec({"compile": {"enabled": True, "mode": mode},
+                        "dmuon": {"mode": dmuon_mode}})
+    spec = parse_spec({"compile": {"enabled": True, "mode": mode}, "dmuon": {"mode": "z2"}})
+    assert spec.compile.options()["mode"] == mode
+    # without CUDA graphs, Z3 is fine
+    parse_spec({"compile": {"enabled": True, "mode": "max-autotune-no-cudagraphs"}})

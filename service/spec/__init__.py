@@ -13,6 +13,7 @@ import pathlib
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from ..models.presets import ModelConfig
 from .data import DataSpec
@@ -144,6 +145,20 @@ class JobSpec(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _no_cuda_graphs_under_z3(self):
+        """CUDA graphs replay captured addresses; Z3 reallocates DMuon's packed buffers
+        every step (``dmuon.cuda_graphs``), and ``auto`` may choose Z3."""
+        mode = self.compile.mode
+        if self.compile.enabled and mode in ("reduce-overhead", "max-autotune") \
+                and self.dmuon.mode != "z2":
+            raise _refused(("compile", "mode"), mode, (
+                f"compile.mode={mode} captures CUDA graphs, which need stable parameter "
+                f"addresses, and dmuon.mode={self.dmuon.mode} (Z3 frees and reallocates the "
+                "packed buffers every step) is refused with them; set dmuon.mode: z2 or "
+                "compile.mode: max-autotune-no-cudagraphs"))
+        return self
+
+    @model_validator(mode="after")
     def _tp_starts_from_an_init(self):
         if self.layout.tp != 1 and getattr(self.model, "weights", None) is not None:
             raise ValueError(f"layout.tp={self.layout.tp} with model.weights: loading "
@@ -156,6 +171,13 @@ class JobSpec(_Strict):
         if config is None:
             raise ValueError("not a built-in model")
         return config
+
+
+def _refused(loc: tuple, value, message: str) -> ValidationError:
+    """A refusal at ``loc`` (``spec.<loc>`` in a 422), for a check that reads several
+    fields: raised from a model validator, pydantic keeps its location."""
+    return ValidationError.from_exception_data("JobSpec", [InitErrorDetails(
+        type=PydanticCustomError("value_error", message), loc=loc, input=value)])
 
 
 def known_max_seq_len(model) -> int | None:

@@ -84,3 +84,41 @@ def test_compiled_blocks_match_eager_with_no_graph_break(name):
             for key, value in res["eager"].items():
                 err = ((res[form][key] - value).abs().max() / value.abs().max()).item()
                 assert err <= 1e-9, (name, form, rank, key, err)
+
+
+
+def _cuda_graphs_under_z3(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    refusals = {}
+    for mode in ("reduce-overhead", "max-autotune"):
+        for form in ("inplace", "wrap"):
+            def prepare(model, mode=mode, form=form):
+                for i, layer in enumerate(model.model.layers):
+                    if form == "inplace":
+                        layer.compile(mode=mode)
+                    else:
+                        model.model.layers[i] = torch.compile(layer, mode=mode)
+                return model
+
+            model, _ = build_dmuon(mesh, True, prepare=prepare)
+            try:  # the check runs before the first forward's collectives, on every rank
+                model(global_batches(1)[0][:1, :-1])
+            except ValueError as e:
+                refusals[mode, form] = str(e)
+    # Z2 keeps its packed storage: the same set-up check passes (the forward itself
+    # would compile with inductor for a minute here, and run no CUDA graph on the CPU)
+    model, _ = build_dmuon(mesh, False, prepare=lambda m: (m.model.layers[0].compile(
+        mode="reduce-overhead"), m)[1])
+    dmuon.get_state(model).before_first_forward()
+    return refusals
+
+
+def test_cuda_graph_modes_are_refused_under_z3_by_name():
+    """Refused at the first forward, before anything is compiled or sent."""
+    for refusals in run(_cuda_graphs_under_z3, world_size=2):
+        assert len(refusals) == 4, refusals.keys()
+        for msg in refusals.values():
+            assert "model.layers.0" in msg and "CUDA graphs" in msg
+            assert "reshard_after_forward=False" in msg

@@ -190,3 +190,74 @@ def test_conditional_params_match_the_reference(kind, layout, z3):
         for ranks, calls in by_group.items():
             per_rank = len(calls) // len(ranks)
             assert len(calls) == per_rank * len(ranks), (step, ranks)
+
+
+# -- Z3: a boundary whose inputs need no grad, a param unused on one rank, accumulation ----
+MICRO, ACCUM_STEPS = 2, 3
+
+
+def accumulation_rows(step_batch: torch.Tensor, rank: int, micro: int) -> torch.Tensor:
+    lo = (micro * WORLD + rank) * ROWS
+    return step_batch[lo:lo + ROWS]
+
+
+def accumulation_batches():
+    """Two micro-batches per step; the branch is off on rank 1 only, in the first."""
+    g = torch.Generator().manual_seed(13)
+    out = []
+    for _ in range(ACCUM_STEPS):
+        batch = torch.randint(0, VOCAB, (MICRO * WORLD * ROWS, 9), generator=g)
+        for micro in range(MICRO):
+            for rank in range(WORLD):
+                used = 0 if (micro, rank) == (0, 1) else 1
+                row = (micro * WORLD + rank) * ROWS
+                batch[row, 0] = 2 * (batch[row, 0] // 2) + used
+        out.append(batch)
+    return out
+
+
+def build_frozen_embedding() -> Net:
+    """The first block's inputs need no grad: its backward ends with its last param's
+    gradient, not at a function on its inputs."""
+    model = build("branch")
+    model.embed.weight.requires_grad_(False)
+    return model
+
+
+def _train_accumulating(rank, world):
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build_frozen_embedding()
+    dmuon.dedicate_params(model, mesh, predicate=is_muon)
+    for layer in model.layers:
+        dmuon.fully_shard(layer, mesh=mesh)
+    dmuon.fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    for batch in accumulation_batches():
+        for micro in range(MICRO):
+            (loss_of(model, accumulation_rows(batch, rank, micro)) / MICRO).backward()
+        opt.step()
+        opt.zero_grad()
+    return dmuon.full_state_dict(model)
+
+
+def test_z3_boundary_without_input_grads_and_a_rank_local_unused_param_accumulates():
+    """On the rank without the branch's gradient the first block never saw all its
+    gradients; it must still end (freed, reduced) at the end of the backward like on its
+    peers, or the next micro-batch's forward issues a gather there that its peers skip."""
+    model = build_frozen_embedding()
+    muon = [p for n, p in model.named_parameters() if is_muon(n, p)]
+    opts = reference_optimizers(muon, [p for n, p in model.named_parameters()
+                                       if not is_muon(n, p) and p.requires_grad])
+    with reference_ns():
+        for batch in accumulation_batches():
+            losses = [loss_of(model, accumulation_rows(batch, r, k))
+                      for k in range(MICRO) for r in range(WORLD)]
+            (sum(losses) / len(losses)).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    ref = model.state_dict()
+    for rank, full in enumerate(run(_train_accumulating, world_size=WORLD)):
+        for key, value in ref.items():
+            err = ((full[key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (rank, key, err)
