@@ -62,7 +62,8 @@ def _join_group(device: torch.device) -> None:
 
 
 def measure(device: torch.device, tiny: bool, only: list[str]) -> dict:
-    """Every check's result (or its error) and the seconds it took."""
+    """Every check's result (or its error) and the seconds it took; each check's rows
+    are printed as it ends, so a run cut short by its time limit still shows them."""
     results, seconds = {}, {}
     for name, (check, _) in CHECKS.items():
         if only and name not in only:
@@ -74,6 +75,8 @@ def measure(device: torch.device, tiny: bool, only: list[str]) -> dict:
             traceback.print_exc()
             results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
         seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {seconds[name]} s", table({name: results[name]}), sep="\n",
+              flush=True)
     return {"checks": results, "seconds": seconds}
 
 
