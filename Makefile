@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-modes bench-compile bench-elastic-plan bench-tp-plan lint clean
+	bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-gpu lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -81,6 +81,13 @@ bench-elastic-plan: $(STAMP)
 # the planner under tensor parallelism: Llama-3 8B / 70B / 405B, T in {1, 2, 4, 8} (minutes)
 bench-tp-plan: $(STAMP)
 	$(PY) -m bench.tp_plan
+
+# the single-GPU check (world size 1, NCCL; estimated 5 minutes on one H200): NS error by
+# precision and scale, the side-stream race, compile and CUDA graphs, memory_report, step
+# time against FSDP2 + AdamW at 1B params. A machine without internet runs it with a
+# Python that has torch: `make bench-gpu GPU_PYTHON=python3` (then nothing is installed)
+bench-gpu: $(if $(GPU_PYTHON),,$(STAMP))
+	$(or $(GPU_PYTHON),$(PY)) -m bench.gpu $(GPU_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check dmuon service tests bench

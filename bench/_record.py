@@ -1,5 +1,6 @@
 """Benchmark results as dated, tracked records: ``bench/results/<bench>_<machine>_<date>``
-as Markdown (the printed table, what was run) and JSON (the numbers) side by side."""
+as Markdown (the printed table, what was run) and JSON (the numbers) side by side; into
+``$OUT`` instead when it is set (a lent device's run, a test's temporary folder)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ def machine() -> str:
 def write_record(bench: str, title: str, table: str, data: dict, notes: str = "") -> str:
     """Write the Markdown and JSON record of one run; returns the Markdown path."""
     day = datetime.date.today().isoformat()
-    stem = RESULTS / f"{bench}_{machine()}_{day}"
-    RESULTS.mkdir(exist_ok=True)
+    results = pathlib.Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+    stem = results / f"{bench}_{machine()}_{day}"
+    results.mkdir(parents=True, exist_ok=True)
     header = f"# {title}\n\n{day}, {machine()}, `python -m bench.{bench}`\n\n"
     stem.with_suffix(".md").write_text(header + table + ("\n\n" + notes if notes else "") + "\n")
     stem.with_suffix(".json").write_text(json.dumps(

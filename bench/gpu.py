@@ -1,153 +1,123 @@
-"""Prepared script for a machine with NVIDIA GPUs (no CPU fallback; CI never runs it).
+"""The single-device check, run when a GPU is lent (one H200: world size 1, as NCCL
+cannot put two ranks on one GPU); ``make bench-gpu``, about 5 minutes there.
 
-    torchrun --nproc-per-node N -m bench.gpu          # N = 1 works; N >= 2 shows overlap
+    torchrun --nproc-per-node 1 -m bench.gpu      # or: python -m bench.gpu
+    python -m bench.gpu --device cpu --tiny        # the suite's form: gloo, seconds
 
-1. Newton-Schulz timings on rank 0 at Llama-3 8B and 70B projection shapes: Gram NS in
-   fp16 (the CUDA default) and bf16 against standard NS in bf16 (torch.optim.Muon's),
-   CUDA-event medians of 10 after 3 warm-ups, ms.
-2. Training steps of a Llama-style model (meta init, bf16 params, fp32 reduce, Z3,
-   prefetch 1) on all N ranks with NCCL, the last two under ``torch.profiler``: the
-   Chrome trace is written, and the share of NCCL kernel time that overlaps compute
-   kernels on other streams is printed. With N = 1 DMuon's collectives are local
-   no-ops, so there is no NCCL kernel to overlap.
+a. Newton-Schulz error in fp16, bf16 and fp32 at element scales 1e-8 to 1e3 against
+   float64 NS, standard and Gram, at 256 x 1024 and 1,024 x 4,096 (``bench.gpu_ns``).
+b. The side-stream race made deterministic: a 10 ms kernel queued on DMuon's side stream
+   as ``Streams.issuing`` is entered, ahead of the copy a one-rank group makes there;
+   the losses of 4 steps must equal a run without it (``bench.gpu_checks``).
+c. ``block.compile()`` against eager under Z3, ``mode="reduce-overhead"`` (CUDA graphs)
+   against eager under Z2, and what the core answers to CUDA graphs under Z3.
+d. ``dmuon.memory_report`` against ``torch.cuda.memory_allocated`` around one
+   boundary's gather and free.
+e. Step time of DMuon against FSDP2 + fused AdamW at 1.03B params in bf16
+   (``bench.gpu_step``).
 
-Writes bench/results/gpu.json (and gpu_trace_rank0.json), or into $OUT when set.
+A check that raises is recorded with its error and the others still run (a lent device's
+minutes are few): ``--only`` reruns some. Prints one table and writes one dated record
+(Markdown and JSON) in bench/results/, or into ``$OUT`` when set.
 """
 
 from __future__ import annotations
 
-import json
+import argparse
 import os
-import pathlib
-import statistics
+import time
+import traceback
 
 import torch
 import torch.distributed as dist
 
-import dmuon
+from bench._record import write_record
+from bench.gpu_checks import (
+    compile_check,
+    compile_rows,
+    memory_check,
+    memory_rows,
+    stream_race,
+    stream_race_rows,
+)
+from bench.gpu_ns import ns_errors
+from bench.gpu_ns import table_rows as ns_rows
+from bench.gpu_step import step_time, step_time_rows
 
-SHAPES = {"llama3-8b": [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)],
-          "llama3-70b": [(8192, 8192), (1024, 8192), (28672, 8192), (8192, 28672)]}
-VARIANTS = (("gram", torch.float16), ("gram", torch.bfloat16), ("standard", torch.bfloat16))
-
-
-def _out_dir() -> pathlib.Path:
-    out = pathlib.Path(os.environ.get("OUT") or pathlib.Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    return out
-
-
-def _cuda_ms(fn, warmup=3, repeats=10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+# name: (measure(device, tiny) -> dict, rows(dict) -> table rows)
+CHECKS = {"ns_error": (ns_errors, ns_rows), "stream_race": (stream_race, stream_race_rows),
+          "compile": (compile_check, compile_rows), "memory": (memory_check, memory_rows),
+          "step_time": (step_time, step_time_rows)}
 
 
-def ns_timings() -> list[dict]:
-    rows = []
-    for model, shapes in SHAPES.items():
-        for shape in shapes:
-            G = torch.randn(*shape, device="cuda")
-            row = {"model": model, "shape": list(shape)}
-            for backend, dtype in VARIANTS:
-                row[f"{backend}_{str(dtype)[6:]}"] = _cuda_ms(
-                    lambda G=G, b=backend, d=dtype: dmuon.newton_schulz(G, backend=b, dtype=d))
-            rows.append(row)
-    return rows
+def _join_group(device: torch.device) -> None:
+    """A process group of one rank: torchrun's, or an in-process store (no port)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if "RANK" in os.environ:
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if dist.get_world_size() != 1:
+        raise SystemExit(f"bench.gpu runs on one rank (world size {dist.get_world_size()})")
 
 
-def _build(world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
-
-    from service.models.builtin import ModelConfig, build_model, init_builtin
-    from service.models.params import split_params
-
-    config = ModelConfig(vocab_size=32000, dim=2048, n_layers=8, n_heads=16, n_kv_heads=4,
-                         ffn_dim=5632, max_seq_len=2048)
-    mesh = init_device_mesh("cuda", (world,), mesh_dim_names=("shard",))
-    model = build_model(config, device="meta")
-    dmuon.dedicate_params(model, mesh, predicate=split_params(model).predicate, prefetch=1)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        dmuon.fully_shard(layer, mesh=mesh, mp_policy=policy)
-    dmuon.fully_shard(model, mesh=mesh, mp_policy=policy)
-    dmuon.materialize(model, seed=0, init_fn=init_builtin)
-    return model, dmuon.Muon(model, adamw_lr=3e-4), config
-
-
-def _overlap(trace_path: pathlib.Path) -> dict:
-    """NCCL kernel time, and the part of it during which a compute kernel ran on
-    another stream, from the profiler's Chrome trace."""
-    events = [e for e in json.loads(trace_path.read_text())["traceEvents"]
-              if e.get("cat") == "kernel" and "dur" in e]
-    nccl = [e for e in events if "nccl" in e["name"].lower()]
-    compute = [e for e in events if "nccl" not in e["name"].lower()]
-    total = sum(e["dur"] for e in nccl)
-    overlapped = 0.0
-    for n in nccl:
-        lo, hi = n["ts"], n["ts"] + n["dur"]
-        spans = sorted((max(lo, c["ts"]), min(hi, c["ts"] + c["dur"])) for c in compute
-                       if c.get("tid") != n.get("tid") and c["ts"] < hi and c["ts"] + c["dur"] > lo)
-        end = lo
-        for a, b in spans:
-            a = max(a, end)
-            if b > a:
-                overlapped, end = overlapped + (b - a), b
-    return {"nccl_kernel_us": total, "overlapped_us": overlapped,
-            "overlapped_share": overlapped / total if total else None}
+def measure(device: torch.device, tiny: bool, only: list[str]) -> dict:
+    """Every check's result (or its error) and the seconds it took; each check's rows
+    are printed as it ends, so a run cut short by its time limit still shows them."""
+    results, seconds = {}, {}
+    for name, (check, _) in CHECKS.items():
+        if only and name not in only:
+            continue
+        t0 = time.perf_counter()
+        try:
+            results[name] = check(device, tiny)
+        except Exception as e:  # noqa: BLE001 - recorded; the other checks still run
+            traceback.print_exc()
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+        seconds[name] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {seconds[name]} s", table({name: results[name]}), sep="\n",
+              flush=True)
+    return {"checks": results, "seconds": seconds}
 
 
-def training_profile(rank: int, world: int) -> dict:
-    from torch.profiler import ProfilerActivity, profile
-
-    from service.models.builtin import causal_lm_loss
-
-    model, opt, config = _build(world)
-    tokens = torch.randint(0, config.vocab_size, (4, 1025), device="cuda",
-                           generator=torch.Generator(device="cuda").manual_seed(rank))
-
-    def step():
-        causal_lm_loss(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
-
-    step_ms = _cuda_ms(step, warmup=3, repeats=5)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    trace = _out_dir() / f"gpu_trace_rank{rank}.json"
-    prof.export_chrome_trace(str(trace))
-    return {"world": world, "step_ms": step_ms, **_overlap(trace)}
+def table(checks: dict) -> str:
+    lines = ["| check | case | measured | verdict |", "|---|---|---|---|"]
+    for name, result in checks.items():
+        rows = [(name, "-", result["error"][:160], "ERROR")] if "error" in result \
+            else CHECKS[name][1](result)
+        lines += ["| " + " | ".join(" ".join(str(c).replace("|", "/").split()) for c in row)
+                  + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def main() -> None:
-    local = int(os.environ.get("LOCAL_RANK", 0))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"device": torch.cuda.get_device_name(), "ns": ns_timings() if rank == 0 else []}
-    dist.barrier()
-    result["training"] = training_profile(rank, world)
-    if rank == 0:
-        print("| model | shape | " + " | ".join(f"{b} {str(d)[6:]} (ms)" for b, d in VARIANTS)
-              + " |\n|---|---|" + "---:|" * len(VARIANTS))
-        for r in result["ns"]:
-            print(f"| {r['model']} | {r['shape'][0]}x{r['shape'][1]} | " + " | ".join(
-                f"{r[f'{b}_{str(d)[6:]}']:.2f}" for b, d in VARIANTS) + " |")
-        print(f"training step: {result['training']}")
-        (_out_dir() / "gpu.json").write_text(json.dumps(result, indent=2))
-    dist.barrier()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--tiny", action="store_true",
+                        help="small shapes and the tiny model (the suite's CPU form)")
+    parser.add_argument("--only", default="", help=f"comma-separated of {list(CHECKS)}")
+    args = parser.parse_args()
+    only = [c for c in args.only.split(",") if c]
+    if unknown := set(only) - set(CHECKS):
+        parser.error(f"--only: unknown check(s) {sorted(unknown)}; valid: {list(CHECKS)}")
+    # cuBLAS picks the same kernels run after run: the race check compares losses
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _join_group(device)
+    data = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "tiny": args.tiny, "world_size": 1,
+            **measure(device, args.tiny, only)}
     dist.destroy_process_group()
+    text = table(data["checks"])
+    print(text)
+    path = write_record("gpu", "Single-device check", text, data,
+                        notes=f"{data['device']}, torch {data['torch']}, world size 1"
+                              f"{', --tiny' if args.tiny else ''}; seconds per check: "
+                              f"{data['seconds']}.")
+    print(f"record: {path}")
 
 
 if __name__ == "__main__":
