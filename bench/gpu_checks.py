@@ -21,7 +21,7 @@ from bench.gpu_train import (
     release,
     train,
 )
-from dmuon import comm
+from dmuon.testing import probe_point
 from service.models.params import split_params
 
 STEPS = 4  # CUDA graph trees warm up, record, then replay: 4 steps replay twice
@@ -43,7 +43,8 @@ def side_stream_delayed(device: torch.device):
     (a shard group of one rank: the copy into the packed buffer, or of the gradient).
     A consumer that does not wait for the side stream then reads before the copy lands,
     every time. Yields a one-item list counting the delays queued."""
-    issuing, calls = comm.Streams.issuing, [0]
+    owner, attr = probe_point("side_stream")
+    issuing, calls = getattr(owner, attr), [0]
 
     @functools.wraps(issuing)
     @contextlib.contextmanager
@@ -54,11 +55,11 @@ def side_stream_delayed(device: torch.device):
                 torch.cuda._sleep(SLEEP_CYCLES)
             yield value
 
-    comm.Streams.issuing = delayed
+    setattr(owner, attr, delayed)
     try:
         yield calls
     finally:
-        comm.Streams.issuing = issuing
+        setattr(owner, attr, issuing)
 
 
 def stream_race(device: torch.device, tiny: bool) -> dict:

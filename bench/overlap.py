@@ -60,13 +60,12 @@ class Waits:
     def __init__(self):
         from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
 
-        from dmuon.buffers import Boundary
-        from dmuon.reduce import GradientReduce
+        from dmuon.testing import probe_point
 
         self.seconds = {"gather": 0.0, "replicate": 0.0, "reduce": 0.0, "fsdp2": 0.0}
-        for kind, owner, name in (("gather", Boundary, "wait_gather"),
-                                  ("replicate", Boundary, "wait_replicate"),
-                                  ("reduce", GradientReduce, "land"),
+        for kind, owner, name in (("gather", *probe_point("wait_gather")),
+                                  ("replicate", *probe_point("wait_replicate")),
+                                  ("reduce", *probe_point("land")),
                                   ("fsdp2", FSDPParamGroup, "unshard"),
                                   ("fsdp2", FSDPParamGroup, "wait_for_unshard"),
                                   ("fsdp2", FSDPParamGroup, "post_backward")):

@@ -67,13 +67,17 @@ from .compose import (
     install_fully_shard,
     replicate,
 )
+from .dcp_state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from .dedicate import dedicate_params
+from .full_state import full_state_dict
 from .grads import clip_grad_norm_, no_sync
-from .init import init_weights, materialize, unit_seed
-from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
-from .optim import Muon
-from .partition import Assignment, DedicationPlan, PlanMismatch, partition
-from .state import (
+from .meta_init import init_weights, materialize, unit_seed
+from .model_state import (
     get_dedicated_params,
     get_owned_params,
     get_plan,
@@ -83,13 +87,9 @@ from .state import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
-from .state_dict import full_state_dict
-from .state_dicts import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
+from .optim import Muon, adjusted_lr
+from .partition import Assignment, DedicationPlan, PlanMismatch, partition
 from .stats import MEMORY_KINDS, memory_report
 from .tp_traffic import install_tp_traffic_counters
 
@@ -116,6 +116,7 @@ __all__ = [
     "POLAR_EXPRESS_COEFFICIENTS",
     "PlanMismatch",
     "YOU_COEFFICIENTS",
+    "adjusted_lr",
     "checkpoint",
     "clip_grad_norm_",
     "dedicate_params",

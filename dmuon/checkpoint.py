@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from .fqn import canonical_fqn, param_names
-from .state import get_state
-from .state_dict import raw_state_dict, units_by_key
+from .full_state import raw_state_dict, units_by_key
+from .model_state import get_state
 
 MANIFEST = "dmuon_manifest.json"
 _GROUP_KEYS_SKIPPED = ("params",)

@@ -20,7 +20,7 @@ import functools
 from torch import nn
 
 from .dedicate import dedicate_params
-from .state import is_dedicated
+from .model_state import is_dedicated
 
 
 def _skipping_dedicated(fsdp_fully_shard):

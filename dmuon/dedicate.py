@@ -18,11 +18,11 @@ from torch import nn
 
 from . import comm, tp_traffic
 from .buffers import Boundary, Member
+from .full_state import install_state_dict_guard
 from .hooks import BoundaryHooks
+from .model_state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
 from .partition import DedicationPlan, check_plan, model_entries, plan_from_shapes
 from .reduce import GradientReduce
-from .state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
-from .state_dict import install_state_dict_guard
 from .tp import tp_shard_of
 
 

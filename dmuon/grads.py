@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from . import comm
-from .state import get_state, is_dedicated
+from .model_state import get_state, is_dedicated
 
 
 @contextlib.contextmanager

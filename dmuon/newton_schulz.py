@@ -208,7 +208,7 @@ def newton_schulz(
     return X.mT if tall else X
 
 
-def _gram_matmuls(steps: int, restart: bool) -> int:
+def gram_matmuls(steps: int, restart: bool) -> int:
     """m x m x m products of Gram NS, as ``_gram`` issues them."""
     restart_at = restart_index(steps, restart)
     count = 0
@@ -228,6 +228,6 @@ def ns_flops(shape, steps: int = 5, backend: str = "gram", restart: bool = True)
         batch *= int(d)
     if backend == "gram" and m < n:
         rect_products = 2 + (2 if restart_index(steps, restart) is not None else 0)
-        return batch * (rect_products * 2 * m * m * n + _gram_matmuls(steps, restart) * 2 * m**3)
+        return batch * (rect_products * 2 * m * m * n + gram_matmuls(steps, restart) * 2 * m**3)
     # per iteration: X Xᵀ (m x n x m), A·A (m x m x m), B·X (m x m x n)
     return batch * steps * (2 * m * n * m + 2 * m * m * m + 2 * m * m * n)

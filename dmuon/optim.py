@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
-from .state import DMuonState, get_state, is_dedicated
+from .model_state import DMuonState, get_state, is_dedicated
 from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")

@@ -68,3 +68,22 @@ def run(fn, *args, world_size: int = 4, **kwargs) -> list:
             nprocs=world_size, join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
                 for r in range(world_size)]
+
+
+def probe_point(name: str) -> tuple[object, str]:
+    """``(owner, attribute)`` of one place in the core a benchmark may wrap to time or
+    perturb it, so production code carries no clock and benchmarks import public modules
+    only: ``wait_gather``, ``wait_replicate`` (a boundary's waits for its all-gathers),
+    ``land`` (the owner's wait for a reduced gradient), ``side_stream`` (the context
+    every side-stream block runs in) and ``optimizer_ns`` (the NS ``dmuon.Muon`` calls)."""
+    from . import comm, optim
+    from .buffers import Boundary
+    from .reduce import GradientReduce
+
+    points = {"wait_gather": (Boundary, "wait_gather"),
+              "wait_replicate": (Boundary, "wait_replicate"),
+              "land": (GradientReduce, "land"), "side_stream": (comm.Streams, "issuing"),
+              "optimizer_ns": (optim, "newton_schulz")}
+    if name not in points:
+        raise ValueError(f"no probe point {name!r}; there are {sorted(points)}")
+    return points[name]

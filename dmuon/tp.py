@@ -13,13 +13,23 @@ slot, and they orthogonalise it together:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.distributed as dist
 
 from . import comm
-from .newton_schulz import _gram, coefficient_schedule, default_ns_dtype, newton_schulz
+from .newton_schulz import (
+    _gram,
+    coefficient_schedule,
+    default_ns_dtype,
+    gram_matmuls,
+    newton_schulz,
+    ns_flops,
+    restart_index,
+)
 
 GRAM_ALLREDUCE, GATHER = "gram_allreduce", "gather"
 
@@ -51,8 +61,7 @@ class TPShard:
 
     @property
     def mode(self) -> str:
-        split, other = self.full_shape[self.shard_dim], self.full_shape[1 - self.shard_dim]
-        return GRAM_ALLREDUCE if split >= other else GATHER
+        return mode_of(self.full_shape, self.shard_dim)
 
 
 def tp_shard_of(param) -> TPShard | None:
@@ -107,3 +116,33 @@ def _normalised_shard(X: torch.Tensor, gram_sum, eps: float):
     R = gram_sum(X @ X.mT)
     norm = R.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=eps)
     return X / norm, R / (norm * norm)
+
+
+# -- what NS over TP shards costs, from shapes alone (the planner's) ----------------------
+def mode_of(full_shape, split_dim: int) -> str:
+    """How a 2-D matrix split on ``split_dim`` is orthogonalised (``TPShard.mode``)."""
+    split, other = full_shape[split_dim], full_shape[1 - split_dim]
+    return GRAM_ALLREDUCE if split >= other else GATHER
+
+
+def peer_ns_flops(full_shape, split_dim: int, T: int, steps: int = 5) -> int:
+    """One peer's NS FLOPs for its shard: Gram NS on m x n/T (the m x m iteration
+    repeated on every peer), or NS of the whole gathered matrix."""
+    if mode_of(full_shape, split_dim) == GATHER:
+        return ns_flops(full_shape, steps)
+    m, n = full_shape[1 - split_dim], full_shape[split_dim] // T
+    rect = 2 + (2 if restart_index(steps, True) is not None else 0)
+    return rect * 2 * m * m * n + gram_matmuls(steps, True) * 2 * m ** 3
+
+
+def ns_bytes(mode: str, full_shape, T: int, *, gram_elt: int, master_elt: int,
+             steps: int) -> Fraction:
+    """The ``tp`` bytes (phase ``step``) each peer sends to orthogonalise one matrix: its
+    shards all-gathered, or its Gram matrices all-reduced, the first in fp32 (fp64 for
+    fp64 masters, ``_normalised_shard``), the restart's in ``gram_elt``."""
+    if mode == GATHER:
+        return Fraction(T - 1, T) * math.prod(full_shape) * master_elt
+    m = min(full_shape)
+    grams = 2 if restart_index(steps, True) is not None else 1
+    first_elt = 8 if master_elt == 8 else 4
+    return (first_elt + (grams - 1) * gram_elt) * Fraction(2 * (T - 1), T) * m * m

@@ -3,7 +3,7 @@ there: the same functions as ``dmuon.<name>``."""
 
 from __future__ import annotations
 
-from .state import (
+from .model_state import (
     get_dedicated_params,
     get_owned_params,
     wait_all_post_step_broadcasts,

@@ -103,6 +103,65 @@ def test_dmuon_imports_nothing_of_the_service():
             assert not [m for m in imports(mod) if m.startswith("service")], mod
 
 
+# dmuon's public surface: the package's own names, and the modules made to be imported
+PUBLIC_DMUON = ("dmuon", "dmuon.planning", "dmuon.testing", "dmuon.checkpoint", "dmuon.utils")
+
+
+def _dotted(node) -> str:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+@cache
+def _dmuon_all() -> frozenset[str]:
+    """``dmuon.__all__``, read from the source: ``dmuon.partition`` is the function."""
+    tree = ast.parse(open(modules()["dmuon"]).read())
+    node = next(n for n in tree.body if isinstance(n, ast.Assign)
+                and getattr(n.targets[0], "id", "") == "__all__")
+    return frozenset(ast.literal_eval(node.value))
+
+
+def private_dmuon_uses(source: str, filename: str) -> list[str]:
+    """Each import of a private dmuon module, or attribute path through one
+    (``dmuon.model_state.get_state``), in ``source``."""
+    private = [m for m in modules() if m.startswith("dmuon.") and m not in PUBLIC_DMUON]
+    # as an attribute, ``dmuon.partition`` is the function that shadows its module
+    shadowed = {m for m in private if m.split(".")[1] in _dmuon_all()}
+    hits = {}  # line -> the private module used there
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Attribute):
+            names = [_dotted(node)]
+        else:
+            continue
+        attribute = isinstance(node, ast.Attribute)
+        for m in (m for m in private if not (attribute and m in shadowed)):
+            if any(n == m or n.startswith(m + ".") for n in names):
+                hits[node.lineno] = m
+    return [f"{filename}:{line} {m}" for line, m in sorted(hits.items())]
+
+
+def test_service_and_bench_use_only_dmuons_public_modules():
+    planted = ("import dmuon\nfrom dmuon.model_state import get_state\ndmuon.buffers.Boundary\n"
+               "from dmuon.partition import DedicationPlan\ndmuon.partition(model)\n")
+    assert [h.split()[1] for h in private_dmuon_uses(planted, "planted.py")] == [
+        "dmuon.model_state", "dmuon.buffers", "dmuon.partition"]
+    hits, scanned = [], 0
+    for package in ("service", "bench"):
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in (f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                hits += private_dmuon_uses(open(path).read(), os.path.relpath(path, ROOT))
+                scanned += 1
+    assert scanned >= 100 and hits == [], "\n".join(hits)
+
+
 def _path_files() -> list[str]:
     """The files of the numbered list under "## The path of a job" in the docs."""
     text = open(PATH_DOC).read()

@@ -94,7 +94,7 @@ def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) 
     """Refuse (``dmuon.PlanMismatch``, naming the first param that differs) a complete plan
     whose partition does not describe the model the workers will build: where the job
     starts, before any worker does (each worker's ``dedicate_params`` checks it again)."""
-    from dmuon.partition import DedicationPlan, check_plan, model_entries
+    from dmuon.planning import DedicationPlan, check_plan, model_entries
 
     from ..models.build import prepare_on_meta
     from ..models.dtypes import DTYPES

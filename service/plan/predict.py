@@ -17,7 +17,7 @@ from fractions import Fraction
 import torch
 
 import dmuon
-from dmuon import cost
+from dmuon import planning
 
 from ..cluster import NodeInfo
 from ..models.dtypes import DTYPES
@@ -176,7 +176,7 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
             inter_link="infiniband", bandwidth=None, model_inputs: ModelSource | None = None,
             layout: tuple[int, int, int, int] | None = None) -> Placement:
     """Choose the layout (``tp: auto``: the smallest T that runs) and the mode, and
-    predict what every rank holds and moves per step (DMuon's share from ``dmuon.cost``
+    predict what every rank holds and moves per step (DMuon's share from ``dmuon.planning``
     on each TP rank's shards, FSDP2's from the padded shards, TP's from the plan's
     styles)."""
     if layout is None and spec_tp(spec) is None:
@@ -213,7 +213,8 @@ def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
     gram = gram_bytes(plan, slot, view.T, gram_elt=_gram_elt(spec, master),
                       master_elt=master, steps=spec.optimizer.ns_steps)
     # the step's flags are summed over TP as over the DP dims (every peer skips alike)
-    flags = Fraction(2 * (view.T - 1), view.T) * cost.presence_flags(plan) * cost.PRESENCE_BYTES
+    flags = Fraction(2 * (view.T - 1), view.T) * planning.presence_flags(plan) \
+        * planning.PRESENCE_BYTES
     out["step"] = gram + flags
     return out
 
@@ -224,21 +225,22 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
     (R, N), T = dp, view.T
     elt, master, reduce = _bytes_of(spec)
     z3 = modes.dmuon == "z3"
-    peak = cost.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=elt)
+    peak = planning.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=elt)
     clip = _clip_bytes(spec, N, R, master, T)
     ranks = []
     for rank in range(R * N * T):
         slot, t = divmod(rank, T)
         r, s = divmod(slot, N)
         fsdp, adamw = _fsdp_bytes(others, N, s, master)
-        ledger = cost.ledger_prediction(local, slot, z3=z3, param_bytes=elt,
+        ledger = planning.ledger_prediction(local, slot, z3=z3, param_bytes=elt,
                                         reduce_bytes=reduce)
         if T > 1:
             ledger["tp"] = _tp_ledger(spec, plan, view, slot, batch, master)
         for dim, extra in clip.items():
             ledger[dim]["step"] = Fraction(ledger[dim].get("step", 0)) + extra
-        ledger = {d: {k: cost.exact(Fraction(v)) for k, v in p.items()} for d, p in ledger.items()}
-        memory = {**cost.memory_prediction(local, slot, z3=z3, param_bytes=elt,
+        ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}
+                  for d, p in ledger.items()}
+        memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=elt,
                                            master_bytes=master),
                   "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
@@ -279,11 +281,11 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
     fsdp_by_index = [_fsdp_bytes(others, shard, s, master) for s in range(shard)]
     totals = {}
     for z3 in (False, True):
-        peak = cost.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
+        peak = planning.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
         worst = 0
         for rank in range(world):
             fsdp, adamw = fsdp_by_index[rank % shard]
-            held = cost.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
+            held = planning.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
                                           master_bytes=master)
             grads = plan.elements_per_rank[rank] * master + fsdp
             worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw

@@ -34,11 +34,8 @@ from fractions import Fraction
 
 from torch import nn
 
-from dmuon.newton_schulz import _gram_matmuls, restart_index
-from dmuon.partition import DedicationPlan, ns_flops
-from dmuon.tp import GATHER, GRAM_ALLREDUCE
+from dmuon.planning import DedicationPlan, mode_of, ns_bytes, peer_ns_flops
 
-NS_STEPS = 5  # as dmuon.partition counts NS FLOPs
 _OP = {("partial", "replicate"): ("all_reduce", 2), ("partial", "shard"): ("reduce_scatter", 1),
        ("shard", "replicate"): ("all_gather", 1)}
 
@@ -79,21 +76,6 @@ def local_shape(shape: tuple[int, ...], dim: int | None, T: int) -> tuple[int, .
     return tuple(d // T if i == dim else d for i, d in enumerate(shape))
 
 
-def mode_of(shape: tuple[int, ...], dim: int) -> str:
-    """How ``dmuon.tp`` orthogonalises a 2-D matrix split on ``dim``."""
-    return GRAM_ALLREDUCE if shape[dim] >= shape[1 - dim] else GATHER
-
-
-def peer_ns_flops(shape: tuple[int, int], dim: int, T: int, steps: int = NS_STEPS) -> int:
-    """One TP peer's NS FLOPs for its shard: Gram NS on m x n/T (the m x m iteration
-    repeated on every peer), or NS of the whole gathered matrix."""
-    if mode_of(shape, dim) == GATHER:
-        return ns_flops(shape, steps)
-    m, n = shape[1 - dim], shape[dim] // T
-    rect = 2 + (2 if restart_index(steps, True) is not None else 0)
-    return rect * 2 * m * m * n + _gram_matmuls(steps, True) * 2 * m ** 3
-
-
 def annotate(plan: DedicationPlan, splits: dict[str, int], T: int) -> None:
     """Mark the stored partition as ``dedicate_params`` does under TP: ``tp_size`` and
     each split matrix's NS rule (its shapes, owners and digest stay global)."""
@@ -126,21 +108,10 @@ def gram_bytes(plan: DedicationPlan, slot: int, T: int, *, gram_elt: int,
     """The ``tp`` bytes of NS over TP shards for the matrices slot ``slot`` owns (each of
     its T ranks sends them), phase ``step``; ``plan``: the stored (global, annotated)
     partition."""
-    grams = 2 if restart_index(steps, True) is not None else 1
-    # the first Gram carries the unnormalised matrix: summed in fp32 (fp64 masters: fp64)
-    # whatever NS's precision (dmuon.tp), the restart's in NS's own
-    first_elt = 8 if master_elt == 8 else 4
-    total = Fraction(0)
-    for a in plan.params.values():
-        if a.owner != slot or a.tp is None:
-            continue
-        if a.tp == GATHER:
-            total += Fraction(T - 1, T) * a.numel * master_elt
-        else:
-            m = min(a.shape)
-            elts = first_elt + (grams - 1) * gram_elt
-            total += elts * Fraction(2 * (T - 1), T) * m * m
-    return total
+    return sum((ns_bytes(a.tp, a.shape, T, gram_elt=gram_elt, master_elt=master_elt,
+                         steps=steps)
+                for a in plan.params.values() if a.owner == slot and a.tp is not None),
+               Fraction(0))
 
 
 @dataclass

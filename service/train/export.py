@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from dmuon.state_dict import canonical_fqn
+from dmuon.planning import canonical_fqn
 
 from ..plan.layout import fsdp2_rows
 from .mesh import tp_size

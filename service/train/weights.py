@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import dmuon
-from dmuon.state_dict import canonical_fqn
+from dmuon.planning import canonical_fqn, is_dedicated
 
 from ..plan.layout import fsdp2_rows
 from .export import INDEX
@@ -65,7 +65,7 @@ def load_weights(model: nn.Module, weights_dir: str) -> None:
                 b.load_value(m, read(key, lo, hi))
             b.free()  # the next forward gathers the new values
         for name, param in model.named_parameters():
-            if dmuon.state.is_dedicated(param):
+            if is_dedicated(param):
                 continue
             key = canonical_fqn(name)
             if hasattr(param, "to_local"):

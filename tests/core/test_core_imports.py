@@ -86,7 +86,7 @@ def test_the_scans_find_what_they_look_for(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("import os\nimport torch\nfrom . import sub\n")
-    (pkg / "sub" / "m.py").write_text("def f():\n    import numpy\n    import dmuon.state\n")
+    (pkg / "sub" / "m.py").write_text("def f():\n    import numpy\n    import dmuon.model_state\n")
     assert foreign_imports(pkg) == ["pkg/sub/m.py:2 import numpy"]
 
 

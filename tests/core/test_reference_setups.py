@@ -26,7 +26,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dmuon
 import dmuon.utils
-from dmuon.state import is_dedicated
+from dmuon.model_state import is_dedicated
 from dmuon.testing import run
 
 WORLD, BF16 = 4, torch.bfloat16

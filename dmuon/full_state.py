@@ -11,7 +11,7 @@ from torch import nn
 
 from . import comm
 from .fqn import canonical_fqn
-from .state import get_state
+from .model_state import get_state
 
 _guard = threading.local()
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .dedicate import leave_meta
-from .state import get_state, is_dedicated
+from .model_state import get_state, is_dedicated
 
 
 def unit_seed(seed: int, fqn: str) -> int:

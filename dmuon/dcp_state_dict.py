@@ -26,9 +26,9 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import checkpoint
 from .fqn import canonical_fqn, param_names
-from .init import local_part
-from .state import get_state
-from .state_dict import full_owned, full_state_dict, raw_state_dict
+from .full_state import full_owned, full_state_dict, raw_state_dict
+from .meta_init import local_part
+from .model_state import get_state
 
 _UNSUPPORTED = {"keep_submodule_prefixes": True, "flatten_optimizer_state_dict": False,
                 "dsd_fqn_modifiers": "_fqn_modifiers"}
