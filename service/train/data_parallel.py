@@ -32,6 +32,9 @@ class DataParallel:
         dims = mesh.mesh_dim_names
         replicate, shard = mesh[dims[0]], mesh[dims[1]]
         tp = mesh["tp"].size() if "tp" in dims else 1
+        if mesh.size() != dist.get_world_size():  # mean() reduces over the default group
+            raise ValueError(f"a {mesh.size()}-rank mesh in a world of "
+                             f"{dist.get_world_size()}: the mesh must span every rank")
         return cls(replicate.get_local_rank() * shard.size() + shard.get_local_rank(),
                    replicate.size() * shard.size(), tp)
 
