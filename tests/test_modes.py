@@ -59,6 +59,7 @@ def _measure(rank, world, spec_data, modes, steps=2):
     import dmuon
     from service.spec import parse_spec
     from service.train.data import Batches
+    from service.train.data_parallel import DataParallel
     from service.train.loop import BUILTIN_INPUTS, build_training, train_step
 
     spec = parse_spec(spec_data)
@@ -69,7 +70,7 @@ def _measure(rank, world, spec_data, modes, steps=2):
     state.memory_trace = []
     batches = Batches(BUILTIN_INPUTS["data"], "train", spec.seq_len, spec.seed, 0.05)
     for step in range(steps):
-        train_step(model, opt, spec, batches, step, (rank, world), (1, spec.batch_size))
+        train_step(model, opt, spec, batches, step, DataParallel.of(mesh), (1, spec.batch_size))
     return (max(b for _, b in state.memory_trace), dmuon.memory_report(model, opt),
             dmuon.get_ledger(model).last_step_by_phase())
 

@@ -26,6 +26,7 @@ from ..spec import JobSpec, parse_spec
 from . import checkpoints, layouts, recipe
 from .capacity import CapacityWatch, ray_capacity
 from .data import Batches
+from .data_parallel import DataParallel
 from .export import export
 from .mesh import build_mesh, device, tp_size
 from .metrics import flops_per_token, peak_flops, step_record
@@ -85,29 +86,28 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
 
 
 @torch.no_grad()
-def validation_loss(model, spec: JobSpec, batches: Batches, dp: tuple[int, int],
+def validation_loss(model, spec: JobSpec, batches: Batches, dp: DataParallel,
                     split: tuple[int, int]) -> float:
     """The mean loss of ``val_batches`` batches shaped as a training step's (``split``:
-    micro-batches, rows per rank), so every layout scores the same rows."""
-    total = torch.zeros(1, dtype=torch.float64)
+    micro-batches, rows per rank), so every layout scores the same rows; averaged over
+    the data-parallel ranks (collective)."""
+    total = torch.zeros((), dtype=torch.float64, device=device())
     micros, per_rank = split
     for i in range(spec.data.val_batches):
         for m in range(micros):
-            rows = batches.rows(i, per_rank, dp[0], dp[1], m, micros).to(device())
-            total += causal_lm_loss(logits_of(model, rows[:, :-1]),
-                                    rows[:, 1:]).double().cpu()
-    dist.all_reduce(total)
-    return total.item() / (dp[1] * micros * spec.data.val_batches)
+            rows = dp.rows(batches, i, per_rank, m, micros).to(device())
+            total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double()
+    return dp.mean(total / (micros * spec.data.val_batches))
 
 
-def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: tuple[int, int],
+def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: DataParallel,
                split: tuple[int, int]) -> tuple[float, float | None]:
     """One optimizer step over ``split[0]`` micro-batches of ``split[1]`` rows per rank;
-    returns (loss, grad norm)."""
+    returns (this rank's loss, grad norm)."""
     loss = torch.zeros((), dtype=torch.float64, device=device())
     micros, per_rank = split
     for i in range(micros):
-        rows = batches.rows(step, per_rank, dp[0], dp[1], i, micros).to(device())
+        rows = dp.rows(batches, step, per_rank, i, micros).to(device())
         skip_sync = i < micros - 1
         with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
             micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
@@ -150,23 +150,21 @@ class NonfiniteSteps:
                 f"{self.last_good or 'none (no checkpoint committed yet)'}")
 
 
-def _layout(mesh: DeviceMesh) -> tuple[list[int], list[int], int, int]:
-    """(this rank's coordinate, the layout, data-parallel rank, data-parallel size): the
-    T ranks of a tensor-parallel group share one data-parallel rank."""
+def _coordinates(mesh: DeviceMesh) -> tuple[list[int], list[int]]:
+    """(this rank's coordinate, the layout)."""
     dims = mesh.mesh_dim_names
-    coord, layout = [mesh[d].get_local_rank() for d in dims], [mesh[d].size() for d in dims]
-    return coord, layout, coord[0] * layout[1] + coord[1], layout[0] * layout[1]
+    return [mesh[d].get_local_rank() for d in dims], [mesh[d].size() for d in dims]
 
 
-def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int, int]):
+def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int, int],
+                dp: DataParallel):
     """(tokens per rank, tokens per step, FLOPs per token on this rank, peak FLOP/s). The
     T ranks of a tensor-parallel group share their tokens' FLOPs: each does 1/T."""
-    dp_size = _layout(mesh)[3]
     blocks = len(split.fsdp_units)
     hidden = next((m.embedding_dim for m in model.modules()
                    if isinstance(m, torch.nn.Embedding)), 0)
     per_rank = batch[0] * batch[1] * spec.seq_len
-    return (per_rank, per_rank * dp_size,
+    return (per_rank, dp.tokens(per_rank),
             flops_per_token(model, blocks, hidden, spec.seq_len) / tp_size(mesh),
             peak_flops(spec.metrics.peak_tflops, device()))
 
@@ -188,12 +186,13 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     model, opt, split = build_training(spec, mesh, inputs, modes, plan)
     digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
-    coord, layout, dp_rank, dp_size = _layout(mesh)
-    batch = batch_split(spec, dp_size)
+    coord, layout = _coordinates(mesh)
+    dp = DataParallel.of(mesh)
+    batch = batch_split(spec, dp.size)
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
-    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, mesh, batch)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, mesh, batch, dp)
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
@@ -205,7 +204,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         progress.update(phase="step", step=step + 1)  # numbered as the records are
         t0 = time.perf_counter()
         lrs = recipe.apply_lr(opt, base_lrs, recipe.lr_factor(spec, step))
-        loss, norm = train_step(model, opt, spec, train, step, (dp_rank, dp_size), batch)
+        loss, norm = train_step(model, opt, spec, train, step, dp, batch)
         record = step_record(model, opt, step=step + 1, loss=loss,
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
@@ -219,7 +218,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
         if capacity is not None:
             record["capacity"], grow = capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
-            record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
+            record["val_loss"] = validation_loss(model, spec, val, dp, batch)
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(
