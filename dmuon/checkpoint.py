@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from . import normuon
 from .fqn import canonical_fqn, param_names
 from .full_state import raw_state_dict, units_by_key
 from .model_state import get_state
@@ -38,18 +39,21 @@ def ensure_optimizer_state(optimizer) -> None:
             s = optimizer.state[p]
             if group["kind"] == "muon":
                 s.setdefault("momentum_buffer", torch.zeros_like(p))
+                if group["variant"] == "normuon":
+                    s.setdefault(normuon.ROW_STATE, normuon.second_moment_like(p))
             elif not s:
                 s["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
                 s["exp_avg"] = torch.zeros_like(p)
                 s["exp_avg_sq"] = torch.zeros_like(p)
 
 
-def _tp_wrapped(tensor: torch.Tensor, tp) -> torch.Tensor:
+def _tp_wrapped(tensor: torch.Tensor, tp, per_row: bool = False) -> torch.Tensor:
     """An owner's TP shard as the DTensor it is, so DCP stores (and reshards) it by
-    position rather than taking one peer's shard for the whole matrix."""
+    position rather than taking one peer's shard for the whole matrix; ``per_row``: a
+    state of one value per row (NorMuon's), split like the matrix's rows."""
     if tp is None or tensor.ndim != 2:
         return tensor
-    return tp.as_dtensor(tensor)
+    return tp.rows_as_dtensor(tensor) if per_row else tp.as_dtensor(tensor)
 
 
 def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -111,7 +115,7 @@ def optimizer_share(model: nn.Module, optimizer) -> dict:
     optim_state = {}
     for p, s in optimizer.state.items():
         for name, value in s.items():
-            value = _tp_wrapped(value, tp_of.get(names[id(p)]))
+            value = _tp_wrapped(value, tp_of.get(names[id(p)]), name == normuon.ROW_STATE)
             for key, v in _by_expert(state.plan, names[id(p)], value).items():
                 optim_state.setdefault(key, {})[name] = v
     return {

@@ -7,14 +7,16 @@ import math
 import torch
 from torch import nn
 
-from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
+from . import normuon
 from .model_state import DMuonState, get_state, is_dedicated
+from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
 from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 _MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_backend",
               "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn",
-              "group_name")
+              "variant", "beta2", "group_name")
+VARIANTS = ("muon", "normuon")
 _ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "group_name")
 # the reference's named groups: key -> (the Muon or AdamW option it sets, fallback keys)
 _NAMED_GROUP_KEYS = {
@@ -125,7 +127,9 @@ class Muon(torch.optim.Optimizer):
     applies it).
     NS defaults to Gram NS with one restart
     in ``ns_dtype`` (default: fp16 on CUDA, the gradient's precision on the CPU;
-    ``ns_gram_dtype`` raises the m x m iteration's precision); ``ns_backend="standard"``
+    ``ns_gram_dtype`` raises the m x m iteration's precision); ``variant="normuon"``
+    normalises each row of the orthogonalised update by its running second moment
+    (``beta2``) and keeps the update's norm (``dmuon.normuon``); ``ns_backend="standard"``
     (or the reference's ``"direct"``)
     is torch.optim.Muon's.
     """
@@ -144,6 +148,8 @@ class Muon(torch.optim.Optimizer):
         ns_gram_dtype: torch.dtype | None = None,
         eps: float = 1e-7,
         adjust_lr_fn: str | None = None,
+        variant: str = "muon",
+        beta2: float = normuon.BETA2,
         adamw_lr: float = 1e-3,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -156,13 +162,11 @@ class Muon(torch.optim.Optimizer):
                              weight_decay=weight_decay, ns_steps=ns_steps,
                              ns_backend=ns_backend, ns_coefficients=ns_coefficients,
                              ns_dtype=ns_dtype, ns_gram_dtype=ns_gram_dtype, eps=eps,
-                             adjust_lr_fn=adjust_lr_fn)
+                             adjust_lr_fn=adjust_lr_fn, variant=variant, beta2=beta2)
         adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                               weight_decay=adamw_weight_decay)
         _check_args(muon_defaults)
-        for name, value in (("adamw_lr", adamw_lr), ("adamw_weight_decay", adamw_weight_decay)):
-            if not value >= 0:
-                raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {value}")
+        _check_adamw_args(adamw_defaults)
         user_groups, self._state = _user_groups(params, param_groups)
         self._state.check_dedicated()
         self.replicate_async, self.skip_nonfinite = replicate_async, skip_nonfinite
@@ -247,7 +251,7 @@ class Muon(torch.optim.Optimizer):
             self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
         else:
             for p, ortho, group, full_shape in updates:
-                _apply(p, ortho, group, full_shape)
+                _apply(p, self._variant_update(p, ortho, group), group, full_shape)
             if any(g["params"] for g in self._adamw.param_groups):
                 self._adamw.step()
         self._state.after_step(self.replicate_async)
@@ -284,6 +288,17 @@ class Muon(torch.optim.Optimizer):
         if not self.nonfinite_ranks:
             self.nonfinite_ranks = ["update"]
         return self.skip_nonfinite
+
+    def _variant_update(self, p, ortho, group) -> torch.Tensor:
+        """The update the group's variant makes of NS's output (after the steps' skip
+        is agreed, so a skipped step leaves NorMuon's statistics as they were)."""
+        if group["variant"] != "normuon":
+            return ortho
+        state = self.state[p]
+        if normuon.ROW_STATE not in state:
+            state[normuon.ROW_STATE] = normuon.second_moment_like(p)
+        return normuon.normalise_rows(ortho, state[normuon.ROW_STATE], group["beta2"],
+                                      tp=self._member_of[id(p)].tp, ledger=self.ledger)
 
     @staticmethod
     def _ns_options(group) -> dict:
@@ -340,12 +355,22 @@ def _only(options: dict, allowed, index: int, kind: str) -> dict:
     return options
 
 
+def _check_adamw_args(o: dict) -> None:
+    for name in ("lr", "weight_decay"):
+        if not o[name] >= 0:
+            raise ValueError(f"dmuon.Muon: adamw_{name} must be >= 0, got {o[name]}")
+
+
 def _check_args(o: dict) -> None:
     for name in ("lr", "momentum", "weight_decay"):
         if not o[name] >= 0:
             raise ValueError(f"dmuon.Muon: {name} must be >= 0, got {o[name]}")
     if not (isinstance(o["ns_steps"], int) and 0 < o["ns_steps"] < 100):
         raise ValueError(f"dmuon.Muon: ns_steps must be an int in [1, 99], got {o['ns_steps']}")
+    if o["variant"] not in VARIANTS:
+        raise ValueError(f"dmuon.Muon: variant={o['variant']!r} is not one of {list(VARIANTS)}")
+    if not 0 <= o["beta2"] < 1:
+        raise ValueError(f"dmuon.Muon: beta2 must be in [0, 1), got {o['beta2']}")
     if o["adjust_lr_fn"] not in _ADJUST_LR_FNS:
         raise ValueError(
             f"dmuon.Muon: adjust_lr_fn={o['adjust_lr_fn']!r} is not one of {list(_ADJUST_LR_FNS)}"

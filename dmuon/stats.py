@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import normuon
 from .model_state import get_state, is_dedicated
 
 MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "adamw_state")
@@ -35,6 +36,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             for key, value in s.items():
                 if not isinstance(value, torch.Tensor) or value.ndim == 0:
                     continue
-                kind = "momentum" if key == "momentum_buffer" else "adamw_state"
+                # Muon's state at the owners (NorMuon's row moments with the momentum)
+                muon = key in ("momentum_buffer", normuon.ROW_STATE)
+                kind = "momentum" if muon else "adamw_state"
                 report[kind] += _local_nbytes(value)
     return report

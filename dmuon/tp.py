@@ -59,6 +59,16 @@ class TPShard:
                                   shape=torch.Size(self.full_shape),
                                   stride=(self.full_shape[1], 1))
 
+    def rows_as_dtensor(self, local: torch.Tensor):
+        """A per-row state of this peer's shard (``(rows, 1)``) as a DTensor: sharded
+        like the rows, or replicated when the split is on the columns."""
+        from torch.distributed.tensor import DTensor, Replicate
+
+        rows = self.full_shape[0]
+        placements = self.placements if self.shard_dim == 0 else (Replicate(),)
+        return DTensor.from_local(local, self.mesh, placements, run_check=False,
+                                  shape=torch.Size((rows, 1)), stride=(1, 1))
+
     @property
     def mode(self) -> str:
         return mode_of(self.full_shape, self.shard_dim)
