@@ -26,6 +26,7 @@ BOXES = """(id) => {
 
 @pytest.fixture(scope="module")
 def svc(tmp_path_factory):
+    os.makedirs(ARTIFACTS, exist_ok=True)
     service = Service(str(tmp_path_factory.mktemp("dashboard")), DMUON_LOCAL_RAY="0")
     yield service
     service.kill()
