@@ -300,8 +300,8 @@ def test_auto_on_cpu_workers_names_them_and_the_real_parameter_count():
     assert wide.modes.dmuon == "z2" and wide.modes.resident_pm_bytes == resident
     free = 0.9 * 16e9 - wide.modes.z3_bytes
     assert wide.modes.reason == (
-        f"chosen by dmuon.mode: auto: 107K parameters (< 3B) on 8 CPU workers (>= 8): Z2, its resident P_M "
-        f"{resident / 1e6:.2f} MB fits in the {free / 1e9:.1f} GB Z3 leaves free")
+        f"chosen by dmuon.mode: auto: 107K parameters (< 3B) on 8 CPU workers (>= 8): Z2, "
+        f"its resident P_M {resident / 1e6:.2f} MB fits in the {free / 1e9:.1f} GB Z3 leaves free")
 
 
 def test_a_cpu_worker_that_cannot_hold_z3_is_named_as_such():
