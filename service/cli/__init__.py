@@ -107,6 +107,7 @@ def submit(spec_file: str, follow_job: bool, dry_run: bool, working_dir: str | N
     return 0
 
 
+# the job store's (service.api.schema.STATES), kept here: the CLI imports no SQLAlchemy
 STATES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
 
 
@@ -122,7 +123,10 @@ def list_jobs(only: str | None, limit: int, as_json: bool) -> int:
     "dmuon-svc status JOB_ID" shows one job with its last frames."""
     query = f"?limit={limit}" + (f"&status={only}" if only else "")
     jobs = request("GET", f"/v1/jobs{query}")
-    click.echo(json.dumps(jobs, indent=2)) if as_json else _print_jobs(jobs, details=False)
+    if as_json:
+        click.echo(json.dumps(jobs, indent=2))
+    else:
+        _print_jobs(jobs, details=False)
     return 0
 
 

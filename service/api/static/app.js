@@ -275,8 +275,8 @@ function drawSteps(job) {
   })), {
     type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
     y: steps.map((s) => first(s, "grad_norm")),
-  }], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps), yaxis2: RIGHT_AXIS },
-  CHART);
+  }], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
+         yaxis2: RIGHT_AXIS }, CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
