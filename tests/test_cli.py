@@ -28,7 +28,7 @@ from service.cli.output import failure_line, si
 from service.cli.progress import Follower, final_line, run_follower
 
 SERVICE_ENV = ("DMUON_URL", "DMUON_API_TOKEN")
-COMMANDS = ["submit", "status", "logs", "cancel", "plan", "export", "prepare"]
+COMMANDS = ["submit", "list", "status", "logs", "cancel", "plan", "export", "prepare"]
 TINY_PARAMS, SMALL_PARAMS = 106_816, 3_279_104
 
 
@@ -292,15 +292,16 @@ def test_auto_on_cpu_workers_names_them_and_the_real_parameter_count():
 
     placement = _cpu_plan({**DEFAULT_JOB, "dmuon": {"mode": "auto"}}, 4)  # make demo's job
     assert placement.modes.params == SMALL_PARAMS
-    assert placement.modes.reason == "3.28M parameters on 4 CPU workers (< 8): Z3"
+    assert placement.modes.reason == ("chosen by dmuon.mode: auto: 3.28M parameters on 4 "
+                                      "CPU workers (< 8): Z3")
     wide = _cpu_plan({"model": "tiny", "layout": {"replicate": 2, "shard": 4},
                       "dmuon": {"mode": "auto", "device_memory_gb": 16.0}}, 8)
     resident = wide.plan.total_elements * 4  # float32 compute: 4 bytes per element
     assert wide.modes.dmuon == "z2" and wide.modes.resident_pm_bytes == resident
     free = 0.9 * 16e9 - wide.modes.z3_bytes
     assert wide.modes.reason == (
-        f"107K parameters (< 3B) on 8 CPU workers (>= 8): Z2, its resident P_M "
-        f"{resident / 1e6:.2f} MB fits in the {free / 1e9:.1f} GB Z3 leaves free")
+        f"chosen by dmuon.mode: auto: 107K parameters (< 3B) on 8 CPU workers (>= 8): Z2, "
+        f"its resident P_M {resident / 1e6:.2f} MB fits in the {free / 1e9:.1f} GB Z3 leaves free")
 
 
 def test_a_cpu_worker_that_cannot_hold_z3_is_named_as_such():
@@ -310,12 +311,12 @@ def test_a_cpu_worker_that_cannot_hold_z3_is_named_as_such():
     choice = decide(DMuonSpec(mode="auto"), params=TINY_PARAMS, gpus=4, shard=4,
                     device_bytes=int(1e9), z2_bytes=int(3e9), z3_bytes=int(2e9),
                     resident_pm=1000, device="CPU")
-    assert choice.reason.startswith("even Z3 needs 2.0 GB of a CPU worker's 1 GB: it does "
-                                    "not fit")
+    assert choice.reason.startswith("chosen by dmuon.mode: auto: even Z3 needs 2.0 GB of a "
+                                    "CPU worker's 1 GB: it does not fit")
     gpu = decide(DMuonSpec(mode="auto"), params=TINY_PARAMS, gpus=4, shard=4,
                  device_bytes=int(80e9), z2_bytes=int(3e9), z3_bytes=int(2e9),
                  resident_pm=1000)
-    assert gpu.reason == "107K parameters on 4 GPUs (< 8): Z3"
+    assert gpu.reason == "chosen by dmuon.mode: auto: 107K parameters on 4 GPUs (< 8): Z3"
 
 
 # -- against a real control plane (uvicorn, SQLite, no Ray) ----------------------------------
@@ -371,7 +372,8 @@ def test_plan_prints_the_planners_per_rank_predictions(svc, tmp_path):
     assert lines[:5] == [
         "layout 2 x 2 (replicate x shard) on 1 node: 4 CPU workers",
         "planned on 1 assumed node of 4 CPUs (no Ray cluster attached)",
-        "mode Z3 (FSDP2 Z3): 107K parameters on 4 CPU workers (< 8): Z3",
+        "mode Z3 (FSDP2 Z3): chosen by dmuon.mode: auto: 107K parameters on 4 CPU workers "
+        "(< 8): Z3",
         f"one rank needs Z2 {si(placement.modes.z2_bytes, 'B')}, Z3 "
         f"{si(placement.modes.z3_bytes, 'B')} of 16.00 GB (fits)",
         f"Muon: {len(placement.split['muon'])} params, {muon:,} elements (P_M), imbalance "
@@ -431,3 +433,78 @@ def test_follow_shows_placing_while_queued_and_ends_with_the_status(svc, tmp_pat
     assert (proc.returncode, out, err) == (1, f"{job_id}: STOPPED\n", "")
     status = _cli(svc, "status", job_id)
     assert status.stdout == f"{job_id}  STOPPED    queued\n"
+
+
+# -- issue 43, items 7-9: refusals as lines, where the mode came from, list ----------------
+def _spec_file(tmp_path, name: str, spec: dict) -> str:
+    path = tmp_path / name
+    path.write_text(json.dumps(spec))
+    return str(path)
+
+
+@pytest.mark.parametrize("command", ["plan", "submit"])
+def test_a_refusal_prints_each_field_and_message_on_a_line(svc, tmp_path, command):
+    """tp 3 on the service's one assumed node of 4 CPUs: refused naming spec.layout.tp,
+    printed as that line, not as the service's JSON."""
+    spec = _spec_file(tmp_path, "tp3.json", {"model": "tiny", "steps": 2,
+                                             "layout": {"shard": 2, "tp": 3}})
+    proc = _cli(svc, command, spec)
+    assert (proc.returncode, proc.stdout) == (1, ""), proc
+    lines = proc.stderr.splitlines()
+    assert lines[0] == "error: the service refused the request (422 Unprocessable Entity):"
+    assert len(lines) == 2 and lines[1].startswith(
+        "  spec.layout.tp: layout.tp=3 must divide the 4 workers per node"), lines
+    assert "{" not in proc.stderr and "detail" not in proc.stderr
+
+
+def test_an_error_with_a_message_prints_the_message():
+    from service.cli.http import refusal
+
+    assert refusal(404, "Not Found", '{"detail": "no job \'dmuon-x\'"}') == (
+        "404 Not Found: no job 'dmuon-x'")
+    assert refusal(502, "Bad Gateway", "<html>proxy</html>") == (
+        "502 Bad Gateway: <html>proxy</html>")
+    assert refusal(422, "Unprocessable Entity", json.dumps({"detail": [
+        {"field": "spec.steps", "message": "must be >= 1"},
+        {"field": "query.tail", "message": "too long"}]})).splitlines() == [
+        "the service refused the request (422 Unprocessable Entity):",
+        "  spec.steps: must be >= 1", "  query.tail: too long"]
+
+
+@pytest.mark.parametrize("dmuon, line", [
+    (None, "mode Z3 (FSDP2 Z3): the default: the spec sets no dmuon.mode (z3; dmuon.mode: "
+           "auto lets the planner choose)"),
+    ({"device_memory_gb": 16.0}, "mode Z3 (FSDP2 Z3): the default: the spec sets no "
+                                 "dmuon.mode (z3; dmuon.mode: auto lets the planner choose)"),
+    ({"mode": "z3"}, "mode Z3 (FSDP2 Z3): set by the spec (dmuon.mode: z3)"),
+    ({"mode": "z2"}, "mode Z2 (FSDP2 Z2): set by the spec (dmuon.mode: z2)"),
+    ({"mode": "auto"}, "mode Z3 (FSDP2 Z3): chosen by dmuon.mode: auto: 107K parameters on "
+                       "4 CPU workers (< 8): Z3"),
+], ids=["no-dmuon-section", "no-mode", "z3", "z2", "auto"])
+def test_plan_says_where_the_mode_came_from(svc, tmp_path, dmuon, line):
+    spec = {"model": "tiny", "steps": 2, **({"dmuon": dmuon} if dmuon else {})}
+    proc = _cli(svc, "plan", _spec_file(tmp_path, "job.json", spec))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[2] == line, proc.stdout
+
+
+def test_list_shows_the_jobs_as_the_service_lists_them(svc, tmp_path):
+    from service.api.schema import STATES
+
+    assert cli.STATES == STATES  # the CLI does not import the store's tables
+    for name in ("listed-a", "listed-b"):
+        spec = _spec_file(tmp_path, f"{name}.json", {"name": name, "model": "tiny", "steps": 2})
+        assert _cli(svc, "submit", spec).returncode == 0
+    stopped = svc.request("POST", "/v1/jobs", {"spec": {"name": "listed-c", "steps": 2}})[1]
+    svc.request("POST", f"/v1/jobs/{stopped['id']}/cancel")
+    jobs = svc.request("GET", "/v1/jobs")[1]
+    want = [f"{j['id']}  {j['status']:<9}  {j['name']}" for j in jobs]
+    listed = _cli(svc, "list")
+    assert listed.returncode == 0 and listed.stdout.splitlines() == want, listed
+    assert _cli(svc, "status").stdout == listed.stdout  # status without a job id, as before
+    only = _cli(svc, "list", "--status", "STOPPED", "--limit", "1").stdout.splitlines()
+    assert only == [next(line for line in want if "STOPPED" in line)]
+    assert only == [f"{stopped['id']}  STOPPED    listed-c"]
+    as_json = json.loads(_cli(svc, "list", "--json").stdout)
+    assert as_json == svc.request("GET", "/v1/jobs")[1]
+    assert _cli(svc, "list", "--status", "DONE").returncode == 2

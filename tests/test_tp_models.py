@@ -119,12 +119,16 @@ def test_tp_plan_with_sequence_parallel_matches_float64_reference(case):
 
 
 def test_degrees_that_cannot_split_the_model_are_refused_by_module():
+    """The tightest split T misses is named: 3 divides neither the 4 heads nor the 2 KV
+    heads, and the KV heads bound T; 1 and 2 divide 4 heads, 2 KV heads, FFN 128 and
+    vocabulary 256."""
     llama = make("llama", "meta")
-    with pytest.raises(ValueError, match=r"tp = 3 does not divide the 4 attention heads of "
-                                         r"'model.layers.0.self_attn.q_proj'"):
+    fitting = r"; the degrees that divide every split of this model: 1, 2$"
+    with pytest.raises(ValueError, match=r"tp = 3 does not divide the 2 KV heads of "
+                                         r"'model.layers.0.self_attn.k_proj'" + fitting):
         check_tp_degree(llama, 3)
     with pytest.raises(ValueError, match=r"tp = 4 does not divide the 2 KV heads of "
-                                         r"'model.layers.0.self_attn.k_proj'"):
+                                         r"'model.layers.0.self_attn.k_proj'" + fitting):
         check_tp_degree(llama, 4)
     check_tp_degree(llama, 2)
 

@@ -78,8 +78,9 @@ def test_layouts_put_tp_groups_inside_a_node_and_scale_to_r_n_t():
     ({"replicate": 3, "shard": 1, "tp": 2}, 1, r"3 x 1 x 2 = 6 workers cannot be split"),
 ])
 def test_layouts_tp_cannot_make_are_refused_naming_layout_tp(layout, nodes, reason):
-    with pytest.raises(PlacementError, match=reason):
+    with pytest.raises(PlacementError, match=reason) as refused:
         predict(tiny(layout), cpus(nodes, 4))
+    assert refused.value.field == "layout.tp"  # the 422's spec.layout.tp
 
 
 def test_a_degree_the_model_cannot_split_is_refused_naming_the_module():

@@ -1,8 +1,9 @@
 """Tensor-parallel specs the planner cannot run are refused at submission (REST, a real
 uvicorn on 127.0.0.1, no Ray), with a 422 naming ``spec.layout.tp`` and the cause: a
-degree the model's KV heads do not split into, one that does not divide a node's
-workers, and a factory model without a TP plan; a degree that can run is planned as
-R x N x T."""
+degree the model's KV heads do not split into (with the degrees that do), one that does
+not divide a node's workers, and a factory model without a TP plan, on /v1/jobs and
+/v1/plan alike; a degree that can run is planned as R x N x T. Other refusals name
+``spec.<path>`` too, down to the field a section's check names."""
 
 from __future__ import annotations
 
@@ -45,8 +46,45 @@ def test_tp_4_with_2_workers_per_node_is_refused_naming_both(svc):
     status, body = _submit(svc, {"model": "tiny",
                                  "layout": {"nodes": 1, "workers_per_node": 2, "tp": 4}})
     fields, message = _refusal(body)
-    assert status == 422 and fields == ["spec.layout"], body
+    assert status == 422 and fields == ["spec.layout.tp"], body
     assert "layout.tp=4 must divide the 2 workers per node" in message
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/plan"])
+def test_tp_3_with_shard_2_is_refused_naming_spec_layout_tp(svc, path):
+    """The service plans on one assumed node of 4 CPUs (no Ray): 3 does not divide 4."""
+    spec = {"model": "tiny", "steps": 2, "layout": {"shard": 2, "tp": 3}}
+    status, body = svc.request("POST", path, {"spec": spec} if path == "/v1/jobs" else spec)
+    fields, message = _refusal(body)
+    assert status == 422 and fields == ["spec.layout.tp"], body
+    assert message.startswith("layout.tp=3 must divide the 4 workers per node"), message
+
+
+def test_tp_3_on_8_heads_and_4_kv_heads_names_the_kv_heads_and_the_degrees_that_fit(svc):
+    """Neither the 8 heads nor the 4 KV heads split in 3; the KV heads bound T (they
+    divide the heads): 1, 2 and 4 divide 8 heads, 4 KV heads, FFN 128 and vocabulary 256."""
+    model = {"dim": 64, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 128}
+    status, body = _submit(svc, {"model": model,
+                                 "layout": {"nodes": 1, "workers_per_node": 3, "tp": 3}})
+    fields, message = _refusal(body)
+    assert status == 422 and fields == ["spec.layout.tp"], body
+    assert ("tp = 3 does not divide the 4 KV heads of 'model.layers.0.self_attn.k_proj'; "
+            "the degrees that divide every split of this model: 1, 2, 4") in message, message
+
+
+@pytest.mark.parametrize("path", ["/v1/jobs", "/v1/plan"])
+def test_refusals_name_spec_and_the_field_a_whole_section_check_names(svc, path):
+    """A field's own check, a section's (layout) and the whole spec's (warm-up within
+    steps) each name ``spec.<path>`` down to the field, on /v1/plan (whose body is the
+    spec) as on /v1/jobs."""
+    cases = [({"steps": 0}, "spec.steps"),
+             ({"steps": 2, "schedule": {"warmup_steps": 5}}, "spec.schedule.warmup_steps"),
+             ({"layout": {"nodes": 2, "elastic": {"max_nodes": 2}}}, "spec.layout.nodes")]
+    for spec, field in cases:
+        spec = {"model": "tiny", **spec}
+        status, body = svc.request("POST", path,
+                                   {"spec": spec} if path == "/v1/jobs" else spec)
+        assert status == 422 and _refusal(body)[0] == [field], (spec, body)
 
 
 def test_tp_on_a_factory_model_without_a_plan_is_refused_naming_the_model(svc):

@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DBAPIError
 
-from ..spec import field_path
+from ..spec import field_path, named_field
 from ..spec.files import position
 from .dashboard import mount_dashboard
 from .routes import jobs, metrics, packages, streams, system
@@ -88,21 +88,34 @@ async def _leave_local_head(app: FastAPI) -> None:
           f"{settings.storage}/{STATE_FILE})", flush=True)
 
 
-def _error_entry(error: dict, body) -> dict:
-    """``{"field", "message"}``; a body that is not JSON is named by line and column."""
+SPEC_BODIES = ("/v1/plan",)  # routes whose whole body is a job spec: named spec.<path>
+
+
+def _error_entry(error: dict, body, spec_body: bool) -> dict:
+    """``{"field", "message"}``; a body that is not JSON is named by line and column. A
+    spec's field is ``spec.<path>``, down to the field its message names when a check of
+    a whole section or spec names one (``spec.layout.tp``, not ``spec``)."""
     if error["type"] == "json_invalid" and isinstance(body, str):
         line, column = position(body, error["loc"][1])
         return {"field": "body", "message": f"not valid JSON: {error['ctx']['error']}: "
                                             f"line {line}, column {column}"}
-    loc = error["loc"]
-    return {"field": field_path(loc[1:] if loc[:1] == ("body",) else loc) or "body",
-            "message": error["msg"]}
+    loc = tuple(error["loc"])
+    if loc[:1] == ("body",):
+        loc = ("spec",) * spec_body + loc[1:]
+    field = field_path(loc) or "body"
+    if field == "spec" or field.startswith("spec."):
+        named = named_field(error["msg"])
+        within = field.removeprefix("spec").removeprefix(".")
+        if named and (not within or named.startswith(f"{within}.")):
+            field = f"spec.{named}"
+    return {"field": field, "message": error["msg"]}
 
 
 async def _invalid(request: Request, exc: RequestValidationError):
     """422 with one entry per field, by the path the user wrote (``spec.optimizer.lr``);
     never the offending input, which may not be JSON (NaN)."""
-    detail = [_error_entry(e, exc.body) for e in exc.errors()]
+    spec_body = request.url.path in SPEC_BODIES
+    detail = [_error_entry(e, exc.body, spec_body) for e in exc.errors()]
     return JSONResponse({"detail": detail}, status_code=422)
 
 

@@ -1,6 +1,7 @@
 """dmuon-svc: the control plane from a terminal (click).
 
     dmuon-svc submit job.yaml [--follow] [--dry-run] [--working-dir DIR|gcs://...zip]
+    dmuon-svc list [--status S] [--limit N] [--json]
     dmuon-svc status [JOB_ID] [--json]
     dmuon-svc logs [-f] [--raw] JOB_ID
     dmuon-svc cancel JOB_ID
@@ -63,7 +64,10 @@ def app(verbose: bool, quiet: bool) -> None:
 
 
 def _spec(path: str, working_dir: str | None = None) -> dict:
-    spec = load_spec(path).model_dump(mode="json")
+    """The spec as the file sets it: checked here, sent without the defaults it leaves
+    unset, so the service knows what the spec chose (``plan`` says ``dmuon.mode: z3``
+    came from the spec or is the default)."""
+    spec = load_spec(path).model_dump(mode="json", exclude_unset=True)
     if working_dir:
         spec["working_dir"] = upload_working_dir(working_dir)
     return spec
@@ -99,15 +103,39 @@ def submit(spec_file: str, follow_job: bool, dry_run: bool, working_dir: str | N
     job = request("POST", "/v1/jobs", {"spec": spec, "dry_run": dry_run})
     click.echo(job["id"])
     if follow_job:
-        return 0 if follow(job["id"], spec["steps"]) == "SUCCEEDED" else 1
+        return 0 if follow(job["id"], job["spec"]["steps"]) == "SUCCEEDED" else 1
     return 0
 
 
-@app.command(epilog=ENV, short_help="List the jobs, or show one, with why a job failed.")
+# the job store's (service.api.schema.STATES), kept here: the CLI imports no SQLAlchemy
+STATES = ("PENDING", "RUNNING", "SUCCEEDED", "FAILED", "STOPPED")
+
+
+@app.command("list", epilog=ENV, short_help="List the jobs, newest first, with their status.")
+@click.option("--status", "only", type=click.Choice(STATES), help="Only the jobs in this "
+              "status.")
+@click.option("--limit", type=click.IntRange(1, 10_000), default=100, show_default=True,
+              help="At most this many jobs.")
+@click.option("--json", "as_json", is_flag=True, help="Print the service's JSON instead.")
+def list_jobs(only: str | None, limit: int, as_json: bool) -> int:
+    """Every job, newest first: id, status, name; a failed job's reason (exception
+    type, message, rank and step) follows its line when the service gives one.
+    "dmuon-svc status JOB_ID" shows one job with its last frames."""
+    query = f"?limit={limit}" + (f"&status={only}" if only else "")
+    jobs = request("GET", f"/v1/jobs{query}")
+    if as_json:
+        click.echo(json.dumps(jobs, indent=2))
+    else:
+        _print_jobs(jobs, details=False)
+    return 0
+
+
+@app.command(epilog=ENV, short_help="Show one job (no JOB_ID: list them), with why it failed.")
 @click.argument("job_id", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print the service's JSON instead.")
 def status(job_id: str | None, as_json: bool) -> int:
-    """One job (JOB_ID) with its status, or every job: id, status, name.
+    """One job (JOB_ID) with its status; without JOB_ID every job, as "list" prints
+    them.
 
     A failed job's reason (exception type, message, rank and step), when the service
     gives one, follows its line; for one job, with its last frames.
@@ -115,15 +143,21 @@ def status(job_id: str | None, as_json: bool) -> int:
     jobs = request("GET", f"/v1/jobs/{job_id}" if job_id else "/v1/jobs")
     if as_json:
         click.echo(json.dumps(jobs, indent=2))
-        return 0
-    for job in jobs if isinstance(jobs, list) else [jobs]:
+    else:
+        _print_jobs(jobs if isinstance(jobs, list) else [jobs], details=bool(job_id))
+    return 0
+
+
+def _print_jobs(jobs: list[dict], details: bool) -> None:
+    """``id  status  name`` a line, a failed job's reason under it (``details``: the
+    reason's further lines and last frames too)."""
+    for job in jobs:
         click.echo(f"{job['id']}  {job['status']:<9}  {job['name']}")
         failed = failure_line(job)
         if failed:
             click.echo(f"  {failed}")
-            for line in reason_details(job) if job_id else []:
+            for line in reason_details(job) if details else []:
                 click.echo(line)
-    return 0
 
 
 @app.command(epilog=ENV, short_help="Print or stream a job's driver output.")

@@ -36,13 +36,31 @@ def request(method: str, path: str, body=None, *, stream=False, data=None, conte
     except requests.RequestException as e:
         raise ServiceError(f"cannot reach {url}: {e}") from None
     if resp.status_code >= 400:
-        raise ServiceError(f"{resp.status_code} {resp.reason}: {resp.text[:2000]}")
+        raise ServiceError(refusal(resp.status_code, resp.reason, resp.text))
     if stream:
         return resp
     try:
         return resp.json()
     except ValueError:
         return resp.text
+
+
+def refusal(status: int, reason: str, text: str) -> str:
+    """An error answer for a terminal: FastAPI's ``{"detail": "..."}`` as its message, a
+    422's ``{"detail": [{"field", "message"}]}`` as one ``field: message`` line each;
+    anything else as the service sent it (its first 2000 characters)."""
+    head = f"{status} {reason}"
+    try:
+        detail = json.loads(text)["detail"]
+    except (ValueError, TypeError, KeyError):
+        return f"{head}: {text[:2000]}"
+    if isinstance(detail, str):
+        return f"{head}: {detail}"
+    if isinstance(detail, list) and detail and all(
+            isinstance(d, dict) and {"field", "message"} <= set(d) for d in detail):
+        lines = [f"  {d['field']}: {d['message']}" for d in detail]
+        return "\n".join([f"the service refused the request ({head}):", *lines])
+    return f"{head}: {text[:2000]}"
 
 
 def job_events(job_id: str) -> Iterator[tuple[str, dict, str | None]]:

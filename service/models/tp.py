@@ -13,6 +13,7 @@ all-gathered, their output's sequence shard taken locally): only attention is sp
 from __future__ import annotations
 
 import functools
+import math
 
 from torch import nn
 
@@ -175,10 +176,15 @@ def check_tp_degree(model: nn.Module, tp: int) -> None:
     if head is not None and embed is not None and head.weight is embed.weight:
         raise ValueError(f"layout.tp = {tp}: 'lm_head' is tied to the input embedding, "
                          "which tensor parallelism splits on another dim; untie them")
-    for name, what, count in _split_sizes(model):
-        if count % tp:
-            raise ValueError(f"layout.tp = {tp} does not divide the {count} {what} of "
-                             f"'{name}'")
+    sizes = _split_sizes(model)
+    undivided = sorted((s for s in sizes if s[2] % tp), key=lambda s: s[2])
+    if undivided:  # the tightest first: under grouped-query attention the KV heads
+        name, what, count = undivided[0]
+        common = math.gcd(*(count for _, _, count in sizes))
+        fitting = [d for d in range(1, common + 1) if common % d == 0]
+        raise ValueError(f"layout.tp = {tp} does not divide the {count} {what} of "
+                         f"'{name}'; the degrees that divide every split of this model: "
+                         f"{', '.join(map(str, fitting))}")
 
 
 def apply_tp(model: nn.Module, tp_mesh) -> None:

@@ -20,9 +20,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", default="llama3-8b")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    # the spec's default, as REST and dmuon-svc take it; auto: the planner decides
+    # unset: the spec's default, and the reason says so; auto: the planner decides
     ap.add_argument("--mode", choices=("auto", "z2", "z3"),
-                    default=DMuonSpec.model_fields["mode"].default)
+                    help=f"dmuon.mode (default: {DMuonSpec.model_fields['mode'].default})")
     ap.add_argument("--master-dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
@@ -46,7 +46,8 @@ def main(argv=None) -> None:
                        "batch_size": args.batch_size, "seq_len": args.seq_len,
                        "activation_checkpointing":
                            "non_reentrant" if args.activation_checkpointing else "none",
-                       "dmuon": {"mode": args.mode, "device_memory_gb": args.device_memory_gb},
+                       "dmuon": {**({"mode": args.mode} if args.mode else {}),
+                                 "device_memory_gb": args.device_memory_gb},
                        "layout": {"tp": args.tp},
                        "resources_per_worker": {"CPU": 1, "GPU": 1}})
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),

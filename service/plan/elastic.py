@@ -22,11 +22,13 @@ def workers_per_node(spec: JobSpec, node: NodeInfo) -> int:
     node shape holds."""
     fit = slots(node, spec)
     if fit == 0:
-        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}")
+        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}",
+                             "resources_per_worker")
     wanted = spec.layout.workers_per_node
     if wanted != "auto" and wanted > fit:
         raise PlacementError(f"layout.workers_per_node={wanted} but a node fits only {fit} "
-                             f"workers of {spec.resources_per_worker.model_dump()}")
+                             f"workers of {spec.resources_per_worker.model_dump()}",
+                             "layout.workers_per_node")
     return fit if wanted == "auto" else wanted
 
 

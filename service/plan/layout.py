@@ -16,7 +16,20 @@ MAX_WORKERS = 16384  # per job: far past any cluster we plan for, and a plan sta
 
 
 class PlacementError(ValueError):
-    """A layout that cannot run on this cluster; the message says why."""
+    """A layout that cannot run on this cluster; the message says why and ``field`` names
+    the spec field it refuses (``layout.tp``), as a 422 names it (``spec.layout.tp``)."""
+
+    def __init__(self, message: str, field: str = "layout"):
+        super().__init__(message)
+        self.field = field
+
+
+def _mesh_field(spec: JobSpec, tp: int) -> str:
+    """The field an uneven R x N x T questions: T when the spec gives one, else the
+    shard or replicate size it gives."""
+    lay = spec.layout
+    return ("layout.tp" if tp > 1 else "layout.shard" if lay.shard is not None
+            else "layout.replicate")
 
 
 def slots(node: NodeInfo, spec: JobSpec) -> int:
@@ -37,7 +50,7 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[in
         raise PlacementError(
             f"layout.tp={tp} must divide the {per_node} workers per node: a tensor-parallel "
             "group never spans nodes (its activation collectives run over the node's "
-            "NVLink)")
+            "NVLink)", "layout.tp")
     if lay.replicate is None and lay.shard is None:
         return n_nodes, per_node // tp
     groups = total // tp
@@ -47,13 +60,13 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[in
         mesh = f"{R} x {N}" + (f" x {tp}" if tp > 1 else "")
         raise PlacementError(
             f"{mesh} = {R * N * tp} workers cannot be split evenly over {n_nodes} nodes of "
-            f"{per_node} workers ({total} in all)")
+            f"{per_node} workers ({total} in all)", _mesh_field(spec, tp))
     row = N * tp
     if per_node % row and row % per_node:
         raise PlacementError(
             f"shard size N={N}" + (f" x tp={tp}" if tp > 1 else "") + f" must divide or be "
             f"a multiple of {per_node} workers per node, so that shard groups do not "
-            "straddle nodes unevenly")
+            "straddle nodes unevenly", _mesh_field(spec, tp))
     return R, N
 
 
@@ -68,16 +81,19 @@ def nodes_and_workers(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int]:
     lay = spec.layout
     usable = [n for n in nodes if slots(n, spec) > 0]
     if not usable:
-        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}")
+        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}",
+                             "resources_per_worker")
     n_nodes = len(usable) if lay.nodes == "auto" else lay.nodes
     if n_nodes > len(usable):
-        raise PlacementError(f"layout.nodes={n_nodes} but only {len(usable)} nodes fit a worker")
+        raise PlacementError(f"layout.nodes={n_nodes} but only {len(usable)} nodes fit a "
+                             "worker", "layout.nodes")
     per_node = min(slots(n, spec) for n in usable[:n_nodes])
     if lay.workers_per_node != "auto":
         if lay.workers_per_node > per_node:
             raise PlacementError(
                 f"layout.workers_per_node={lay.workers_per_node} but a node fits only "
-                f"{per_node} workers of {spec.resources_per_worker.model_dump()}")
+                f"{per_node} workers of {spec.resources_per_worker.model_dump()}",
+                "layout.workers_per_node")
         per_node = lay.workers_per_node
     total = n_nodes * per_node
     if total > MAX_WORKERS:

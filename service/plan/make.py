@@ -20,7 +20,8 @@ def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: i
                   model_inputs: dict | None = None) -> PlanDocument:
     """``_plan_document`` for this spec and cluster, computed once: submissions come in
     bursts of the same spec (retries, sweeps), and a plan builds a model."""
-    key = (spec.model_dump_json(), repr(cluster), assumed_cpus,
+    key = (spec.model_dump_json(), "mode" in spec.dmuon.model_fields_set,  # its reason
+           repr(cluster), assumed_cpus,
            model_inputs.model_dump_json() if model_inputs is not None else None)
     with _PLANS_LOCK:
         cached = _PLANS.get(key)

@@ -86,15 +86,19 @@ def workers(n: int, device: str) -> str:
 
 def decide(spec: DMuonSpec, *, params: int, gpus: int, shard: int, device_bytes: int,
            z2_bytes: int, z3_bytes: int, resident_pm: int, device: str = "GPU") -> ModeChoice:
-    """The mode to run: the spec's when it names one, else the tree above. ``gpus`` is
-    the world size, whatever ``device`` ("GPU" or "CPU") the workers have; the
+    """The mode to run: the spec's when it names one (or the default, z3, when it names
+    none), else the tree above. The reason says which of the three it was; ``gpus`` is
+    the world size, whatever ``device`` ("GPU" or "CPU") the workers have, and the
     explanation names it."""
     mode = spec.mode
     usable = HEADROOM * device_bytes
     b, size = params / 1e9, parameter_count(params)
     memory = "the device's" if device == "GPU" else f"a {device} worker's"
     if mode != "auto":
-        dmuon, reason = mode, f"set by the spec (dmuon.mode: {mode})"
+        dmuon, reason = mode, (f"set by the spec (dmuon.mode: {mode})"
+                               if "mode" in spec.model_fields_set else
+                               f"the default: the spec sets no dmuon.mode ({mode}; "
+                               "dmuon.mode: auto lets the planner choose)")
     elif params > 10e9:
         dmuon, reason = "z3", f"{size} parameters > 10B: Z3, the seeds' default"
     elif z3_bytes > usable:
@@ -107,6 +111,8 @@ def decide(spec: DMuonSpec, *, params: int, gpus: int, shard: int, device_bytes:
         free, extra = usable - z3_bytes, z2_bytes - z3_bytes
         dmuon, reason = _by_size(b, size, workers(gpus, device), gpus, free, extra,
                                  resident_pm)
+    if mode == "auto":
+        reason = f"chosen by dmuon.mode: auto: {reason}"
     fits = (z2_bytes if dmuon == "z2" else z3_bytes) <= usable
     return ModeChoice(dmuon, spec.fsdp_mode(dmuon), reason, params, gpus, int(device_bytes),
                       int(z2_bytes), int(z3_bytes), int(resident_pm), fits)

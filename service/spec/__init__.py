@@ -10,6 +10,7 @@ before any worker starts.
 from __future__ import annotations
 
 import pathlib
+import re
 from typing import Any, Literal
 
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
@@ -194,6 +195,21 @@ def known_max_seq_len(model) -> int | None:
 def field_path(loc) -> str:
     """``spec.model.dim``: a location as the user wrote it, without union tags."""
     return ".".join(str(p) for p in loc if not str(p).startswith("<"))
+
+
+_NAMED = re.compile(r"(?:Value error, )?([a-z_][a-z0-9_]*((?:\.[a-z0-9_]+)*))(?=(\s*[:=])|\s|$)")
+
+
+def named_field(message: str) -> str | None:
+    """The spec field a message names first (``layout.tp`` in ``layout.tp = 3 does not
+    divide ...``, ``steps`` in ``steps: ...``): a field path at its head, with a dot or
+    followed by ``:`` or ``=`` (not an English word that happens to be a field), whose
+    first part is a field of the spec. None when it names none."""
+    match = _NAMED.match(message)
+    if match is None or not (match.group(2) or match.group(3)):
+        return None
+    path = match.group(1)
+    return path if path.split(".", 1)[0] in JobSpec.model_fields else None
 
 
 def format_errors(err: ValidationError) -> str:

@@ -17,7 +17,7 @@ from ...models.params import ParamRuleError
 from ...plan.document import Layout, PlanDocument
 from ...plan.layout import PlacementError
 from ...plan.make import plan_document
-from ...spec import JobSpec, SpecError, text
+from ...spec import JobSpec, SpecError, named_field, text
 from ..guard import JOB_ID, JobId, guarded, token_hash
 from ..schema import STATES
 
@@ -60,12 +60,13 @@ def _model_inputs(request: Request, spec: JobSpec) -> dict:
 
 
 def _field_of(error: Exception) -> str:
-    """``spec.<field>`` from a message that starts with its field path."""
-    head = str(error).split(":", 1)[0]
-    return f"spec.{head}" if head and " " not in head else "spec"
+    """``spec.<field>``: the field a placement refuses, else the one a message names at
+    its head (``layout.tp = 3 does not divide ...``), else the spec as a whole."""
+    named = getattr(error, "field", None) or named_field(str(error))
+    return f"spec.{named}" if named else "spec"
 
 
-def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> PlanDocument:
+def _plan(request: Request, spec: JobSpec, model_inputs: dict) -> PlanDocument:
     """The plan that will run, on the attached cluster's nodes when it fits them now;
     at most ``max_concurrent_plans`` at a time (each builds a model on the meta device)."""
     state = request.app.state
@@ -74,9 +75,7 @@ def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> Pl
     try:
         cluster = state.runner.inventory() if state.runner is not None else None
         return plan_document(spec, cluster, state.settings.local_cpus, model_inputs)
-    except PlacementError as e:
-        raise HTTPException(422, [{"field": field, "message": str(e)}]) from None
-    except (ParamRuleError, SpecError) as e:
+    except (PlacementError, ParamRuleError, SpecError) as e:
         raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
     finally:
         state.plans.release()
@@ -85,7 +84,7 @@ def _plan(request: Request, spec: JobSpec, field: str, model_inputs: dict) -> Pl
 @admin.post("/v1/plan", max_body_size=SPEC_BYTES)
 def plan(spec: JobSpec, request: Request):
     """The layout and per-rank predictions for a spec, without a job."""
-    planned = _plan(request, spec, "layout", _model_inputs(request, spec))
+    planned = _plan(request, spec, _model_inputs(request, spec))
     return JSONResponse(planned.model_dump(mode="json"))
 
 
@@ -105,7 +104,7 @@ def submit(body: JobSubmission, request: Request, response: Response,
                 runtime_working_dir(state.settings.storage, body.spec.working_dir)
         except (SpecError, PackageError) as e:
             raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
-    planned = _plan(request, body.spec, "spec.layout", model_inputs)
+    planned = _plan(request, body.spec, model_inputs)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
         body.spec.name, spec, dry_run=body.dry_run, plan=planned.model_dump(mode="json"),
@@ -129,7 +128,7 @@ def register(body: Registration, request: Request):
     if state.store.job_status(job_id) is not None:  # before planning; the insert checks too
         raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
     _check_on_ray(state.runner, job_id)
-    planned = _plan(request, body.spec, "spec.layout", _model_inputs(request, body.spec))
+    planned = _plan(request, body.spec, _model_inputs(request, body.spec))
     plan = planned.model_dump(mode="json")
     token = secrets.token_urlsafe(32)
     job = state.store.register_job(job_id, body.spec.name, body.spec.model_dump(mode="json"),

@@ -5,17 +5,30 @@
 const state = { token: localStorage.getItem("dmuonToken") || "", job: null, stream: null };
 const CHART = { displayModeBar: false, responsive: true };
 const MARGIN = { l: 60, r: 10, t: 10, b: 40 };
+// a chart with a right axis: room for its tick labels, and the legend under the plot
+// (at plotly's default place, right of the plot, it covered those labels)
+const RIGHT_AXIS = { overlaying: "y", side: "right", automargin: true };
+const RIGHT_MARGIN = { ...MARGIN, r: 60 };
+const LEGEND_BELOW = { orientation: "h", x: 0, y: -0.15, yanchor: "top" };
 
 async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
   if (state.token) headers.Authorization = `Bearer ${state.token}`;
   const resp = await fetch(path, { ...options, headers });
   if (resp.status === 401) {
-    document.getElementById("token-form").hidden = false;
+    askForToken();
     throw new Error("this service needs an API token");
   }
   if (!resp.ok) throw new Error(`${path}: ${resp.status}`);
   return resp;
+}
+
+// the token form, in the header (which stays in view): shown and focused on a 401
+function askForToken() {
+  const form = document.getElementById("token-form");
+  if (!form.hidden) return;
+  form.hidden = false;
+  document.getElementById("token").focus();
 }
 
 const fmtBytes = (n) => {
@@ -262,8 +275,8 @@ function drawSteps(job) {
   })), {
     type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
     y: steps.map((s) => first(s, "grad_norm")),
-  }], { margin: MARGIN, xaxis: stepAxis(steps), yaxis2: { overlaying: "y", side: "right" } },
-  CHART);
+  }], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
+         yaxis2: RIGHT_AXIS }, CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
@@ -292,7 +305,7 @@ function drawThroughput(steps, first) {
   const layout = { margin: MARGIN, xaxis: stepAxis(steps) };
   if (mfu.some((v) => v != null)) {
     traces.push({ type: "scatter", mode: "lines", name: "MFU", x: steps, yaxis: "y2", y: mfu });
-    layout.yaxis2 = { overlaying: "y", side: "right" };
+    Object.assign(layout, { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, yaxis2: RIGHT_AXIS });
   }
   document.getElementById("throughput-caption").textContent =
     `Throughput: tokens/s of all ranks${layout.yaxis2 ? ", MFU (right)" : ""}`;
@@ -371,6 +384,7 @@ document.getElementById("token-form").addEventListener("submit", (e) => {
   localStorage.setItem("dmuonToken", state.token);
   document.getElementById("token-form").hidden = true;
   refreshJobs().catch(() => {});
+  refreshLog();  // an open log view that was refused shows the log now
 });
 api("/version").then((r) => r.json()).then((v) => {
   document.getElementById("version").textContent = `dmuon ${v.dmuon} · torch ${v.torch}`;
