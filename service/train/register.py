@@ -50,7 +50,10 @@ def register_if_submitted(args, spec, plan: PlanDocument | None, token: str | No
         raise RegistrationError("--plan with DMUON_URL: a registered job runs the plan "
                                 "the control plane stores for it; drop one of them")
     answer = _post(f"{url}/v1/jobs/register",
-                   {"spec": spec.model_dump(mode="json"), "submission_id": sid})
+                   # only what the spec sets: the plan then says which of its
+                   # choices (dmuon.mode, say) are the spec's and which the defaults'
+                   {"spec": spec.model_dump(mode="json", exclude_unset=True),
+                    "submission_id": sid})
     args.job_id = sid
     args.metrics_url = f"{url}/v1/jobs/{sid}/metrics"
     args.plan_url = f"{url}/v1/jobs/{sid}/plan"
