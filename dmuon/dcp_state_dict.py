@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from . import checkpoint
+from . import checkpoint, normuon
 from .fqn import canonical_fqn, param_names
 from .full_state import full_owned, full_state_dict, raw_state_dict
 from .meta_init import local_part
@@ -181,6 +181,24 @@ def _one(optimizers):
     return optimizers[0]
 
 
+def _full_row_states(model: nn.Module, opt) -> dict[str, torch.Tensor]:
+    """NorMuon's per-row moments in full, by key (collective; {} without NorMuon). Each
+    travels broadcast to its matrix's shape, so the owners' gather, TP shards and expert
+    slices included, is the momentum's; one column of the result is the state."""
+    keys = {k for g, names in zip(opt.param_groups, _group_names(model, opt))
+            if g.get("variant") == "normuon" for k in names}
+    if not keys:
+        return {}
+
+    def broadcast(b, fqn):
+        master = b.masters[fqn]
+        rows = opt.state[master].get(normuon.ROW_STATE)
+        return rows.expand_as(master) if rows is not None else torch.zeros_like(master)
+
+    full = full_owned(get_state(model), broadcast)
+    return {key: value[..., :1].clone() for key, value in full.items() if key in keys}
+
+
 def _group_names(model: nn.Module, opt) -> list[list[str]]:
     """Each param group's param FQNs over every rank (Muon groups hold this rank's
     masters only)."""
@@ -204,6 +222,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None,
     state = get_state(model)
     momentum = full_owned(state, lambda b, fqn: opt.state[b.masters[fqn]]["momentum_buffer"])
     out = {key: {"momentum_buffer": value} for key, value in momentum.items()}
+    for key, value in _full_row_states(model, opt).items():
+        out[key][normuon.ROW_STATE] = value
     names = param_names(model)
     for group in opt.param_groups:
         for p in group["params"] if group["kind"] == "adamw" else ():
@@ -238,7 +258,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
     for p, m, key in targets + adamw:
         for k, dst in opt.state[p].items():
             src = saved[key][k]
-            if m is not None:
+            if k == normuon.ROW_STATE:  # one per row: its matrix's part, then one column
+                full = src.expand_as(saved[key]["momentum_buffer"])
+                dst.copy_(_unit_part(m, full, device)[..., :1])
+            elif m is not None:
                 dst.copy_(_unit_part(m, src, device))
             elif hasattr(dst, "to_local"):
                 dst.to_local().copy_(local_part(src, dst, device))

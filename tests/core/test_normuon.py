@@ -66,7 +66,9 @@ def reference():
             torch.optim.AdamW([p for n, p in named if not muon_predicate(n, p)],
                               lr=h["adamw_lr"], betas=h["adamw_betas"], eps=h["adamw_eps"],
                               weight_decay=h["adamw_weight_decay"])]
-    return reference_train(model, opts, global_batches(STEPS))[0]
+    final = reference_train(model, opts, global_batches(STEPS))[0]
+    names = {id(p): n for n, p in named}
+    return final, {names[id(p)]: s["v"] for p, s in opts[0].state.items()}
 
 
 def _tp_plan():
@@ -121,7 +123,24 @@ def _train(rank, world, layout, save_at=None, path=None, load=False):
                 torch.save(sched.state_dict(), f"{path}.sched")
     rows = {fqn: tuple(opt.state[t]["second_momentum_buffer"].shape)
             for fqn, t in dmuon.get_state(model).owned_params.items()}
-    return dmuon.full_state_dict(model), rows
+    return dmuon.full_state_dict(model), rows, _full_round_trip(model, opt)
+
+
+def _full_round_trip(model, opt) -> tuple[dict, bool]:
+    """The full optimizer state dict's row moments, and whether loading it back into
+    cleared states gives the same dict."""
+    full = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    moments = {k: s["second_momentum_buffer"] for k, s in full["state"].items()
+               if "second_momentum_buffer" in s}
+    for s in opt.state.values():
+        for value in s.values():
+            if isinstance(value, torch.Tensor) and value.ndim:
+                value.zero_()
+    dmuon.set_optimizer_state_dict(model, opt, full)
+    again = dmuon.get_optimizer_state_dict(model, opt, rank0_only=False)
+    same = all(torch.equal(v, again["state"][k][n]) for k, s in full["state"].items()
+               for n, v in s.items())
+    return moments, same
 
 
 @functools.cache
@@ -131,12 +150,17 @@ def trained(layout: str):
 
 @pytest.mark.parametrize("layout", ["z3", "hsdp2x2", "tp1x2x2"])
 def test_normuon_matches_the_float64_reference(layout):
-    ref = reference()
-    for rank, (full, rows) in enumerate(trained(layout)):
+    ref, ref_moments = reference()
+    for rank, (full, rows, (moments, round_trip)) in enumerate(trained(layout)):
         assert rows, rank  # every rank owns matrices, each with one moment per row
         assert all(shape[-1] == 1 for shape in rows.values()), rank
         for key, value in ref.items():
             err = ((full[key] - value).abs().max() / value.abs().max()).item()
+            assert err <= 1e-9, (layout, rank, key, err)
+        # the full optimizer state dict carries every matrix's moments, whole, and loads
+        assert moments.keys() == ref_moments.keys() and round_trip, rank
+        for key, value in ref_moments.items():
+            err = ((moments[key] - value).abs().max() / value.abs().max()).item()
             assert err <= 1e-9, (layout, rank, key, err)
 
 
@@ -145,7 +169,7 @@ def test_plain_muon_differs_from_the_normuon_reference():
     from _train import reference_run
 
     plain, _ = reference_run(STEPS)
-    ref = reference()
+    ref, _ = reference()
     assert max((plain[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
 
 
@@ -154,6 +178,6 @@ def test_a_normuon_checkpoint_resumes_bitwise(layout, tmp_path):
     path = str(tmp_path / "ckpt")
     whole = run(_train, layout, 4, path, world_size=4)
     resumed = run(_train, layout, None, path, True, world_size=4)
-    for (a, _), (b, _) in zip(whole, resumed):
+    for (a, _, _), (b, _, _) in zip(whole, resumed):
         for key, value in a.items():
             assert torch.equal(value, b[key]), (layout, key)
