@@ -170,8 +170,10 @@ def test_the_spec_maps_onto_muons_call():
     from service.models.dtypes import muon_kwargs
 
     spec = parse_spec({"model": "tiny", "optimizer": {"ns_dtype": "float64",
-                                                      "adamw_betas": [0.8, 0.9]}})
+                                                      "adamw_betas": [0.8, 0.9],
+                                                      "variant": "normuon", "beta2": 0.9}})
     kwargs = muon_kwargs(spec.optimizer)
     assert kwargs["ns_dtype"] is torch.float64 and kwargs["ns_gram_dtype"] is None
     assert kwargs["adamw_betas"] == (0.8, 0.9)
+    assert (kwargs["variant"], kwargs["beta2"]) == ("normuon", 0.9)
     inspect.signature(dmuon.Muon).bind(torch.nn.Linear(2, 2), **kwargs)  # every name fits

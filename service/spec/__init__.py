@@ -64,6 +64,10 @@ class OptimizerSpec(_Strict):
         None, description="Gram NS's m x m iteration (default: ns_dtype)")
     eps: float = Field(1e-7, gt=0)
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    variant: Literal["muon", "normuon"] = Field(
+        "muon", description="normuon: each row of the update normalised by its running "
+        "second moment, the update's norm kept (arXiv 2510.05491)")
+    beta2: float = Field(0.95, ge=0, lt=1, description="NorMuon's second-moment decay")
     adamw_lr: float = Field(1e-3, ge=0)
     adamw_betas: Betas = (0.9, 0.95)
     adamw_eps: float = Field(1e-8, gt=0)
