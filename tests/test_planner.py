@@ -177,3 +177,17 @@ def test_the_spec_maps_onto_muons_call():
     assert kwargs["adamw_betas"] == (0.8, 0.9)
     assert (kwargs["variant"], kwargs["beta2"]) == ("normuon", 0.9)
     inspect.signature(dmuon.Muon).bind(torch.nn.Linear(2, 2), **kwargs)  # every name fits
+
+
+def test_the_dashboard_names_dmuons_memory_kinds_without_importing_dmuon():
+    import subprocess
+    import sys
+
+    import dmuon
+    from service.plan.document import MEMORY_KINDS
+
+    assert MEMORY_KINDS == dmuon.MEMORY_KINDS
+    code = "import sys, service.api.dashboard; print('dmuon' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"

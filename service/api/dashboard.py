@@ -2,8 +2,8 @@
 
 Charts come from Plotly's own bundle, served from the installed ``plotly`` package
 (pinned in requirements.lock), so the page needs no network and no build step. The
-memory kinds (``dmuon.MEMORY_KINDS``) reach the page from here: one colour per kind in
-every memory chart.
+memory kinds (the job model's ``MEMORY_KINDS``, dmuon's) reach the page from here: one
+colour per kind in every memory chart.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from dmuon import MEMORY_KINDS
+from ..plan.document import MEMORY_KINDS
 
 STATIC = resources.files("service.api") / "static"
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 
-from .presets import PRESETS, ModelConfig, get_config, num_params  # noqa: F401
+from ..spec.presets import PRESETS, ModelConfig, get_config, num_params  # noqa: F401
 
 
 class RMSNorm(nn.Module):

@@ -17,9 +17,9 @@ import os
 import torch
 from torch import nn
 
+from ..spec.presets import ModelConfig
 from .builtin import build_model
 from .dtypes import DTYPES
-from .presets import ModelConfig
 
 INDEX = "model.safetensors.index.json"
 

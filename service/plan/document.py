@@ -13,6 +13,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+# The kinds of a rank's memory, in ``dmuon.memory_report``'s order (``dmuon.MEMORY_KINDS``;
+# tests/test_planner.py checks they agree): named here so the control plane, which
+# shows them, needs no dmuon
+MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "adamw_state")
+
 
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 
 from ..cluster import NodeInfo, synthetic_inventory
-from ..models.source import ModelSource
 from ..spec import JobSpec, SpecError
 from .document import Inventory, PlanDocument
 from .elastic import elastic_document
@@ -89,22 +88,6 @@ def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: in
         plan = elastic_document(spec, node, inventory, False)
         return plan.model_copy(update={"deferred": f"the model cannot be built here "
                                        f"({type(e).__name__}: {e}); the job plans it"})
-
-
-def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) -> None:
-    """Refuse (``dmuon.PlanMismatch``, naming the first param that differs) a complete plan
-    whose partition does not describe the model the workers will build: where the job
-    starts, before any worker does (each worker's ``dedicate_params`` checks it again)."""
-    from dmuon.planning import DedicationPlan, check_plan, model_entries
-
-    from ..models.build import prepare_on_meta
-    from ..models.dtypes import DTYPES
-
-    prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
-    model, split = prepared.model, prepared.split
-    entries = model_entries(model, split.predicate, split.boundary_predicate(model))
-    check_plan(DedicationPlan.from_dict(plan.partition), entries, plan.layout.shard,
-               plan.layout.replicate)
 
 
 def placement_document(placement: Placement, inventory: dict) -> PlanDocument:

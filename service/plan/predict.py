@@ -68,11 +68,6 @@ class Placement:
         return {"num_workers": self.world_size, "use_gpu": req.GPU > 0,
                 "resources_per_worker": resources, "placement_strategy": "PACK"}
 
-    def scaling_config(self):
-        from ray.train import ScalingConfig
-
-        return ScalingConfig(**self.scaling_config_kwargs())
-
     def table(self) -> str:
         T = self.tp
         dims = "replicate x shard" + (" x tp" if T > 1 else "")

@@ -16,10 +16,10 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from ..models.presets import ModelConfig
 from .data import DataSpec
 from .layout import ElasticSpec, LayoutSpec, ResourcesSpec  # noqa: F401 - re-exported
 from .model import ModelRef, builtin_config, check_preset
+from .presets import ModelConfig
 from .recipe import (
     CheckpointSpec,
     CompileSpec,

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from ..models.presets import PRESETS, ModelConfig
+from .presets import PRESETS, ModelConfig
 from .types import DataPath, StrictModel, either, text
 
 CONFIG_FIELDS = 512  # a Hugging Face config has a few dozen fields

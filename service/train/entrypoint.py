@@ -274,7 +274,7 @@ def _run(args, spec, plan, inputs, token) -> int:
 
     from ..models.params import ParamRuleError
     from ..plan.layout import PlacementError
-    from ..plan.make import check_against_model
+    from .model_check import check_against_model
 
     job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
     failed = failure_path(args.storage, job_id, args.export_only)
