@@ -31,6 +31,8 @@ planner can predict from tokens x hidden x top_k). Per call: the counts (8E byte
 dispatched rows (n*k rows) and the returned rows (the rows this rank received). Phase
 ``forward``, or ``recompute`` when the forward runs inside a backward (activation
 checkpointing re-runs it there); the two gradient all-to-alls count as ``backward``.
+
+Under ``torch.compile`` of the block that calls it, ``dispatch_combine`` runs eagerly.
 """
 
 from __future__ import annotations
@@ -120,6 +122,9 @@ def _check(tokens, choices, weights, num_experts: int, experts, P: int) -> None:
         raise ValueError(f"choices: expert ids must lie in [0, {num_experts})")
 
 
+# Run eagerly inside a compiled block (one graph break here): the row counts decide the
+# splits on the host, and the ledger must count every call, not once at trace time.
+@torch.compiler.disable
 def dispatch_combine(tokens: torch.Tensor, choices: torch.Tensor, weights: torch.Tensor,
                      experts: Sequence[Callable], num_experts: int, group,
                      ledger: comm.Ledger | None = None) -> torch.Tensor:

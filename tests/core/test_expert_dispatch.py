@@ -76,7 +76,7 @@ def _grads(module):
             for p in module.parameters()]
 
 
-def _worker(rank, world, mode, use_checkpoint, local_order):
+def _worker(rank, world, mode, wrap, local_order):
     router, experts = build()
     local = [experts[e] for e in local_order(rank)]
     x, target = tokens_and_targets(rank, mode)
@@ -88,7 +88,10 @@ def _worker(rank, world, mode, use_checkpoint, local_order):
         return dispatch_combine(x, choices, weights, local, E, group, ledger)
 
     with CollectiveRecorder() as rec:
-        out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+        if wrap == "checkpoint":
+            out = checkpoint(layer, x, use_reentrant=False)
+        else:
+            out = (torch.compile(layer) if wrap == "compile" else layer)(x)
         (out * target).sum().backward()
     return {"out": out.detach(), "x_grad": x.grad, "router_grad": router.weight.grad,
             "expert_grads": {e: _grads(experts[e]) for e in range(rank * 2, rank * 2 + 2)},
@@ -154,7 +157,7 @@ def expected_ep_bytes(ref, rank: int) -> dict[str, Fraction]:
 @pytest.mark.parametrize("mode", ["router", "forced"])
 def test_dispatch_matches_one_process(mode):
     ref = reference(mode)
-    results = run(_worker, mode, False, own_experts, world_size=P)
+    results = run(_worker, mode, None, own_experts, world_size=P)
     assert worst_error(results, ref) <= TOL
     if mode == "forced":  # the routing really left an expert and a rank without a row
         everyone = torch.cat(ref["choices"])
@@ -172,7 +175,7 @@ def test_dispatch_matches_one_process(mode):
 def test_a_wrong_dispatch_is_detected():
     """The comparison can fail: with each rank's experts swapped, rows reach the wrong
     expert and the outputs leave the reference far behind."""
-    results = run(_worker, "router", False, swapped_experts, world_size=P)
+    results = run(_worker, "router", None, swapped_experts, world_size=P)
     assert worst_error(results, reference("router")) > 1e-3
 
 
@@ -181,10 +184,22 @@ def test_dispatch_under_activation_checkpointing():
     gradients, the re-run's bytes counted as ``recompute``, the same collectives on every
     rank (three in the forward, three in the recompute, two in the backward)."""
     ref = reference("forced")
-    results = run(_worker, "forced", True, own_experts, world_size=P)
+    results = run(_worker, "forced", "checkpoint", own_experts, world_size=P)
     assert worst_error(results, ref) <= TOL
     assert all(res["calls"] == results[0]["calls"] for res in results)
     assert len(results[0]["calls"]) == 8
     for rank, res in enumerate(results):
         want = expected_ep_bytes(ref, rank)
         assert res["ledger"] == {**want, "recompute": want["forward"]}, rank
+
+
+def test_dispatch_in_a_compiled_block():
+    """``torch.compile`` of the layer: the dispatch runs eagerly inside it (one graph
+    break), with the same results, collectives and bytes as without compile."""
+    ref = reference("forced")
+    results = run(_worker, "forced", "compile", own_experts, world_size=P)
+    assert worst_error(results, ref) <= TOL
+    assert all(res["calls"] == results[0]["calls"] for res in results)
+    assert len(results[0]["calls"]) == 5
+    for rank, res in enumerate(results):
+        assert res["ledger"] == {**expected_ep_bytes(ref, rank), "recompute": 0}, rank
