@@ -3,8 +3,10 @@
 Bytes follow the bandwidth-optimal cost model per rank: all-gather, reduce-scatter and
 all-to-all move (n-1)/n x S, all-reduce 2(n-1)/n x S, for a payload of S bytes on a group of n
 ranks (for the uneven all-gather and reduce-scatter, S is the whole gathered or reduced
-tensor; the broadcasts or reduces one is made of on gloo move the same). Counts are
-exact (fractions) and kept per mesh dimension (``shard``, ``replicate``, ``tp``) and
+tensor; the broadcasts or reduces one is made of on gloo move the same; for the uneven
+all-to-all of expert dispatch, S is this rank's input, see ``expert_dispatch``). Counts
+are exact (fractions) and kept per mesh dimension (``shard``, ``replicate``, ``tp``,
+``ep``) and
 phase (``forward``, ``backward``, ``recompute``, ``reduce``, ``step``, ``replicate``,
 ``state_dict``, ``checkpoint``).
 
@@ -21,7 +23,7 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-DIMS = ("shard", "replicate", "tp")
+DIMS = ("shard", "replicate", "tp", "ep")
 PHASES = ("forward", "backward", "recompute", "reduce", "step", "replicate", "state_dict",
           "checkpoint")
 _FACTOR = {"broadcast": 1, "reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1,
