@@ -46,7 +46,8 @@ def spec(model, layout: dict, *, batch_size: int = 1, global_rows: int = GLOBAL_
 def _row(name: str, hosts: int, kind: str, placement) -> dict:
     m, ranks = placement.modes, placement.ranks
     worst = max(ranks, key=lambda r: r.comm_seconds)
-    elt_logits = SEQ * placement.spec.batch_size * 128256 * (2 + 4)
+    # a rank's share: the logits stay sharded on the vocabulary (loss parallel)
+    elt_logits = SEQ * placement.spec.batch_size * 128256 * (2 + 4) // placement.tp
     return {"model": name, "tp": placement.tp, "hosts": hosts, "gpus": placement.world_size,
             "layout": [placement.replicate, placement.shard, placement.tp], "kind": kind,
             "micro_batches": GLOBAL_ROWS // (placement.replicate * placement.shard
@@ -174,11 +175,11 @@ against 90% of the device. Comm: the slowest rank's bytes per step over 450 GB/s
 FSDP), one after the other, nothing overlapped.
 
 **The head's logits.** `service.models.tp` plans the head `ColwiseParallel(output_layouts=
-Replicate())`: every TP rank all-gathers and holds the whole `[rows, seq, vocab]` logits
-and their fp32 copy for the loss (the logits GB column: 6.3 GB per sequence of 8192 at
-vocabulary 128256), which T does not divide while everything else shrinks by T. The
-planner counts them that way (`service.plan.tp.logits_split`); torchtitan's plan keeps
-them sharded on the vocabulary (loss parallel), 1/T of that.
+Shard(-1))` and the loss runs under `loss_parallel()` (torchtitan's loss parallel): each TP
+rank holds 1/T of the `[rows, seq, vocab]` logits and their fp32 copy (the logits GB
+column, per rank: 6.3 GB per sequence of 8192 at vocabulary 128256, over T). The planner
+counts them that way (`service.plan.tp.logits_split`). Until 2026-12-04 the head gathered
+them whole on every TP rank (`bench/results/tp_plan_x86_64-2cpu_2026-12-03.md`).
 
 **Where torchtitan's published layouts sit** ({TORCHTITAN}, and the llama3
 `train_configs` of pytorch/torchtitan): Llama 3 70B on 64 A100 80 GB with FSDP2 (1-D, no
@@ -186,11 +187,10 @@ TP), local batch 1 (global 64), full activation checkpointing, is the first row 
 second table, 8 hosts at T = 1 with every rank sharded over all 64 (R = 1). Their 2-D
 runs (FSDP2 + TP) used the same global batch of 64; their 70B preset
 (`llama3_70b.toml`, "a preset for 64 A100 GPUs") is FSDP 8 x TP 8 with local batch 8,
-the second row: with the logits replicated over the 8 TP ranks, 8 sequences per rank do
-not fit 80 GB here, where one sequence per micro-batch (8 micro-batches, the first
-table's 70B T = 8 rows) does. Their 405B runs, 2-D only ("we do see OOM for 1D
-parallelism"), are FSDP 16 x TP 8 on 128 H100 of 94 GB, local batch 2, global 32: the
-third row."""
+the second row: with the logits sharded over the 8 TP ranks, its peak is the second
+table's (it did not fit 80 GB while they were gathered whole on every TP rank). Their
+405B runs, 2-D only ("we do see OOM for 1D parallelism"), are FSDP 16 x TP 8 on 128
+H100 of 94 GB, local batch 2, global 32: the third row."""
 
 
 if __name__ == "__main__":

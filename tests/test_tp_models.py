@@ -18,6 +18,7 @@ import dmuon
 from dmuon.testing import run
 from service.models import builtin
 from service.models.build import logits_of
+from service.models.builtin import causal_lm_loss, vocab_parallel
 from service.models.tp import apply_tp, check_tp_degree, tp_plan
 
 STEPS, ROWS, SEQ, SEED = 6, 8, 16, 3
@@ -67,6 +68,15 @@ def loss_of(model, tokens):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
+def sharded_loss_and_backward(model, tokens, tp: int) -> torch.Tensor:
+    """The workers' loss: the head's vocabulary shards reduced inside the cross-entropy,
+    forward and backward under loss_parallel."""
+    with vocab_parallel(tp):
+        loss = causal_lm_loss(logits_of(model, tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    return loss
+
+
 def train(rank, world, kind, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -85,7 +95,7 @@ def train(rank, world, kind, layout):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for tokens in batches():
-            loss_of(model, tokens[dp * per:(dp + 1) * per]).backward()
+            sharded_loss_and_backward(model, tokens[dp * per:(dp + 1) * per], layout[2])
             opt.step()
             sched.step()
             opt.zero_grad()
@@ -111,7 +121,8 @@ def test_tp_plan_with_sequence_parallel_matches_float64_reference(case):
         for key, value in ref.items():
             err = ((res["final"][key] - value).abs().max() / value.abs().max()).item()
             assert err <= 1e-9, (case, key, err)
-        # the gathered logits are no view: FSDP2 has no in-place hazard to warn of
+        # the logits stay a DTensor (sharded on the vocabulary), no local view: FSDP2 has
+        # no in-place hazard to warn of
         assert not [w for w in res["warnings"] if "returned a view tensor" in w], case
         tp = res["ledger"]["tp"]
         # sequence parallel: all-gathers and reduce-scatters of activations both ways
@@ -140,3 +151,38 @@ def test_degrees_that_cannot_split_the_model_are_refused_by_module():
     assert tp_plan(Plain()) is None
     with pytest.raises(ValueError, match="no tensor-parallel plan for Plain"):
         check_tp_degree(Plain(), 2)
+
+
+def _head_gradients(rank, world, kind, sharded: bool):
+    """One forward and backward of the 1 x 1 x 2 TP model (no DMuon): the loss and every
+    param's full gradient, with the head's logits sharded (loss parallel) or gathered."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from service.models.tp import tp_plan
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    model = make(kind)
+    plan = tp_plan(model)
+    if not sharded:
+        plan["lm_head"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    parallelize_module(model, mesh, plan)
+    with torch.no_grad():
+        placements = getattr(logits_of(model, batches()[0][:, :-1]), "placements", None)
+    loss = sharded_loss_and_backward(model, batches()[0], world)
+    return loss.detach(), {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                               else p.grad) for n, p in model.named_parameters()}, placements
+
+
+@pytest.mark.parametrize("kind", ["builtin", "llama"])
+def test_the_vocabulary_sharded_head_gives_the_replicated_heads_loss_and_gradients(kind):
+    sharded = run(_head_gradients, kind, True, world_size=2)
+    gathered = run(_head_gradients, kind, False, world_size=2)
+    for (loss, grads, placements), (ref_loss, ref_grads, gathered_as) in zip(sharded, gathered):
+        assert str(placements) == "(Shard(dim=2),)" and gathered_as is None  # logits' forms
+        assert abs(loss.item() - ref_loss.item()) <= 1e-9 * abs(ref_loss.item())
+        assert grads.keys() == ref_grads.keys()
+        for name, g in grads.items():
+            err = ((g - ref_grads[name]).abs().max() / ref_grads[name].abs().max()).item()
+            assert err <= 1e-9, (kind, name, err)

@@ -144,11 +144,12 @@ def _activation_bytes(rows: int, seq: int, T: int, recompute_per_block: int) -> 
     float64 activations ((T-1)/T of each tensor per all-gather or reduce-scatter):
     forward, per block the attention's and the MLP's inputs all-gathered and o_proj's and
     down_proj's outputs reduce-scattered, the embedding's output reduce-scattered, the
-    head's input and its (replicated) logits all-gathered; backward the reverse of each
-    but the logits'; checkpointing runs a block's forward collectives again."""
+    head's input all-gathered (its logits stay sharded on the vocabulary: no gather);
+    backward the reverse of each; checkpointing runs a block's forward collectives
+    again."""
     f = (T - 1) / T
-    S, logits = rows * seq * H * F64, rows * seq * V * F64
-    out = {"forward": f * (LAYERS * 4 * S + 2 * S + logits),
+    S = rows * seq * H * F64
+    out = {"forward": f * (LAYERS * 4 * S + 2 * S),
            "backward": f * (LAYERS * 4 * S + 2 * S)}
     if recompute_per_block:
         out["recompute"] = f * LAYERS * recompute_per_block * S
@@ -186,7 +187,7 @@ def _measure(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.models.build import logits_of
-    from service.models.builtin import causal_lm_loss
+    from service.models.builtin import causal_lm_loss, vocab_parallel
     from service.train.corpus import batch_at, load_corpus
     from service.train.loop import build_training
 
@@ -198,7 +199,8 @@ def _measure(rank, world, spec_data):
     for step in range(2):
         rows = batch_at(corpus, step, spec.batch_size * 2, spec.seq_len)
         rows = rows[dp * spec.batch_size:(dp + 1) * spec.batch_size]
-        causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).backward()
+        with vocab_parallel(2):
+            causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).backward()
         dmuon.clip_grad_norm_(model, spec.clip_grad_norm)
         opt.step()
         opt.zero_grad()

@@ -6,6 +6,8 @@ Muon/AdamW split (``service.models.params``) and checkpoints are easy to reason 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -138,10 +140,25 @@ class LlamaForCausalLM(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over all positions; targets are already shifted, shape [B, T]."""
+    """Mean cross-entropy over all positions; targets are already shifted, shape [B, T].
+    Logits sharded on the vocabulary (a TP head's DTensor) stay sharded: call it, and
+    the backward, under ``loss_parallel()`` (``vocab_parallel``); the loss comes back
+    as this rank's tensor."""
     # Low-precision logits are upcast for a stable softmax; float64 stays float64.
     work = torch.promote_types(logits.dtype, torch.float32)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), targets.reshape(-1))
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).to(work), targets.reshape(-1))
+    return loss.to_local() if hasattr(loss, "to_local") else loss
+
+
+def vocab_parallel(tp: int):
+    """The context a TP job's loss and its backward run in: logits sharded on the
+    vocabulary are reduced across the TP group inside the cross-entropy (torch's
+    ``loss_parallel``) rather than gathered whole on every rank."""
+    if tp == 1:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def init_builtin(module: nn.Module) -> None:

@@ -12,7 +12,6 @@ all-gathered, their output's sequence shard taken locally): only attention is sp
 
 from __future__ import annotations
 
-import functools
 import math
 
 from torch import nn
@@ -28,53 +27,20 @@ def _styles():
         SequenceParallel,
     )
 
-    return dict(Replicate=Replicate, Shard=Shard, Colwise=ColwiseParallel, Head=_gathering_head(),
+    return dict(Replicate=Replicate, Shard=Shard, Colwise=ColwiseParallel,
                 Rowwise=RowwiseParallel, SP=SequenceParallel, Input=PrepareModuleInput,
                 InputOutput=PrepareModuleInputOutput)
 
 
 def _outer(s, embed: str, norm: str, head: str) -> dict:
-    """Embedding out as sequence shards, the final norm on them, the head gathering."""
+    """Embedding out as sequence shards, the final norm on them, and the head's logits
+    left sharded on the vocabulary (a DTensor) for the loss to take them as they are
+    (``torch.distributed.tensor.parallel.loss_parallel``, torchtitan's loss parallel):
+    gathered, every TP rank held the whole ``[rows, seq, vocab]`` and its fp32 copy."""
     return {embed: s["Rowwise"](input_layouts=s["Replicate"](), output_layouts=s["Shard"](1)),
             norm: s["SP"](use_local_output=True),
-            head: s["Head"](input_layouts=s["Shard"](1), output_layouts=s["Replicate"]())}
-
-
-@functools.cache
-def _gathering_head():
-    """``ColwiseParallel`` whose gathered logits are a tensor of their own, not a view.
-
-    ``DTensor.to_local()`` returns a view of the DTensor's local tensor (a fresh object
-    for autograd); the head's output is the model's, and FSDP2 (torch 2.12 on) warns
-    once per rank that a root module "returned a view tensor", since an in-place op on
-    such a view would drop its pre-backward hook. Nothing writes the logits in place; a
-    detached alias taken inside an autograd function is no view, costs no copy, and
-    sends the same gradient back (the replicated logits' gradient, which DTensor cuts to
-    this rank's vocabulary shard without any collective)."""
-    import torch
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import ColwiseParallel
-
-    class LocalOutput(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, output: DTensor):
-            ctx.spec = (output.device_mesh, output.placements, output.shape, output.stride())
-            return output.to_local().detach()
-
-        @staticmethod
-        def backward(ctx, grad):
-            mesh, placements, shape, stride = ctx.spec
-            return DTensor.from_local(grad, mesh, placements, run_check=False,
-                                      shape=shape, stride=stride)
-
-    class GatheringHead(ColwiseParallel):
-        @staticmethod
-        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
-            if outputs.placements != output_layouts:
-                outputs = outputs.redistribute(placements=output_layouts)
-            return LocalOutput.apply(outputs) if use_local_output else outputs
-
-    return GatheringHead
+            head: s["Colwise"](input_layouts=s["Shard"](1), output_layouts=s["Shard"](-1),
+                               use_local_output=False)}
 
 
 def _attention(s, layers: str, kwarg: bool, qk_norm: bool) -> dict:

@@ -21,8 +21,8 @@ the meta model's global shapes.
   inputs all-gathered, o_proj's and down_proj's outputs reduce-scattered; backward the
   same four the other way; under activation checkpointing the forward's four again
   (``recompute``). Once per micro-batch outside the blocks: the embedding's output
-  reduce-scattered, the head's input all-gathered and its logits all-gathered (the head's
-  ``Replicate`` output: every TP rank holds the whole logits).
+  reduce-scattered and the head's input all-gathered; its logits stay sharded on the
+  vocabulary (loss parallel, ``service.models.tp``), so each TP rank holds 1/T of them.
 """
 
 from __future__ import annotations
@@ -275,8 +275,8 @@ def activation_traffic(convs: list[Conversion], *, tokens: int, elt: int, T: int
 
 def logits_split(model: nn.Module, plan: dict, vocab: int, T: int) -> int:
     """What divides the logits a TP rank holds: T when the head's style leaves them
-    sharded on the vocabulary (loss parallel), 1 when it all-gathers them
-    (``Replicate`` output, as ``service.models.tp`` plans the head)."""
+    sharded on the vocabulary (loss parallel, as ``service.models.tp`` plans the head),
+    1 when it all-gathers them (a ``Replicate`` output)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     for _, module, style in styled_modules(model, plan):

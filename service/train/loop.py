@@ -16,7 +16,7 @@ import dmuon
 
 from .. import failure
 from ..models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
-from ..models.builtin import causal_lm_loss
+from ..models.builtin import causal_lm_loss, vocab_parallel
 from ..models.dtypes import DTYPES, muon_kwargs
 from ..models.source import BUILTIN
 from ..models.tp import apply_tp
@@ -96,7 +96,8 @@ def validation_loss(model, spec: JobSpec, batches: Batches, dp: DataParallel,
     for i in range(spec.data.val_batches):
         for m in range(micros):
             rows = dp.rows(batches, i, per_rank, m, micros).to(device())
-            total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double()
+            with vocab_parallel(dp.tp):
+                total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double()
     return dp.mean(total / (micros * spec.data.val_batches))
 
 
@@ -109,7 +110,8 @@ def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: DataP
     for i in range(micros):
         rows = dp.rows(batches, step, per_rank, i, micros).to(device())
         skip_sync = i < micros - 1
-        with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext():
+        with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext(), \
+                vocab_parallel(dp.tp):
             micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
             micro_loss.backward()
         loss += micro_loss.detach().double()
