@@ -306,6 +306,7 @@ def test_second_local_head_on_the_same_machine_takes_jobs(head):
         assert "42" in client.get_job_logs(job)
     finally:
         second.stop()
+    assert not os.path.exists(second.temp_dir)  # nor its temp dir (issue 43, item 11)
 
 
 def test_service_plans_on_the_attached_clusters_nodes(head, tmp_path):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
 import sys
@@ -32,6 +33,12 @@ LOOPBACK_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 REPORT_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# Ray Train's preemption watcher lets a training function take a just-in-time checkpoint
+# when a node is drained (ray.train.get_preemption_info); this loop never asks, so it
+# resumes from its last checkpoint as after any failure. The watcher's actor costs an
+# E-level core-worker line in every job's log ("PreemptionWatcher ... max_restarts > 0");
+# set RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 to have it anyway
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
 if not os.environ.get("RAY_ADDRESS"):
     for _key, _value in LOOPBACK_ENV.items():
         os.environ.setdefault(_key, _value)
@@ -53,10 +60,19 @@ def connect_ray(num_cpus: int | None = None) -> None:
     # Ray Train's controller collects reports when it polls the workers (every 2 s by
     # default): polling every 0.5 s gets each step's metrics to the service within 2 s
     os.environ.setdefault(REPORT_POLL_ENV, "0.5")
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")  # Ray Train passes it on
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # no colour codes into a file or a pipe: in the prefix of the workers' lines
+        # relayed here ("(TrainController pid=...)"), nor in Ray's own log lines
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        for handler in logging.getLogger("ray").handlers:
+            handler.addFilter(_plain_text)
     # the workers' collectives use these too (GLOO_SOCKET_IFNAME names the NIC)
     runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE",
                                                            REPORT_POLL_ENV)
-                                if k in os.environ}}
+                                if k in os.environ},
+                   # every worker knows its own cluster: no search among the machine's
+                   "worker_process_setup_hook": "service.train.worker_env.name_the_cluster"}
     if os.environ.get("RAY_ADDRESS"):
         # under `ray job submit` the job's own runtime env may set the same variables:
         # combine the two rather than refuse
@@ -65,6 +81,13 @@ def connect_ray(num_cpus: int | None = None) -> None:
     else:
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  dashboard_host="127.0.0.1")
+
+
+def _plain_text(record: logging.LogRecord) -> bool:
+    """A log record's text without terminal escape codes (Ray colours the dashboard's
+    address in "Started a local Ray instance" whatever the output is)."""
+    record.msg, record.args = failure.strip_ansi(record.getMessage()), None
+    return True
 
 
 def local_cpus(spec, given: int | None = None) -> int:
