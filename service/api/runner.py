@@ -21,7 +21,7 @@ from .. import failure
 from ..cluster import NodeInfo, inventory_from_dashboard
 from ..inputs.packages import PackageError, runtime_working_dir
 from .guard import token_hash
-from .records import read_checkpoint_records, read_spool, spool_path
+from .records import read_rank_records, read_spool, spool_path
 from .schema import CLAIMED, TERMINAL
 from .store import JobStore
 
@@ -30,8 +30,10 @@ CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the q
 ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 # a job's log is a file the CLI and the dashboard read, never a terminal: Ray's process
-# prefixes without colour codes
-JOB_ENV = {"RAY_COLOR_PREFIX": "0"}
+# prefixes without colour codes. A cancel (Ray's stop_job) sends SIGTERM, on which the
+# entrypoint aborts the run through Ray Train's controller, ending the trackers' runs;
+# Ray's SIGKILL comes 3 s later by default, too soon for a W&B run to finish
+JOB_ENV = {"RAY_COLOR_PREFIX": "0", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
 
 
 def _log(message: str) -> None:
@@ -121,7 +123,7 @@ class RayJobRunner:
         self.ingest_spool(job_id, job["spool_offset"])
         status = str(info.status.value)
         if status in TERMINAL:
-            self.ingest_checkpoint_records(job_id)
+            self.ingest_rank_records(job_id)
             reason = self.failure_reason(job_id) if status == "FAILED" else None
             self.store.settle(job_id, status, outcome_message(job_id, info.message, reason),
                               reason)
@@ -231,13 +233,14 @@ class RayJobRunner:
             _log(f"skipped a spool line: {problem}")
         return stored
 
-    def ingest_checkpoint_records(self, job_id: str) -> int:
-        """The records of the job's checkpointed steps the store lacks: a cancel stops the
-        job before its last reports reach the spool, not before its checkpoint's."""
-        stored, problems = read_checkpoint_records(self.store, job_id,
-                                                   os.path.join(self.storage, job_id))
+    def ingest_rank_records(self, job_id: str) -> int:
+        """The records of the job's steps the store lacks, from the ranks' own files: a
+        cancel stops the job before its last reports reach the spool, not before the
+        ranks kept them."""
+        stored, problems = read_rank_records(self.store, job_id,
+                                             os.path.join(self.storage, job_id))
         for problem in problems:
-            _log(f"skipped a checkpoint record: {problem}")
+            _log(f"skipped a rank's record: {problem}")
         return stored
 
     def stop_quietly(self, job_id: str) -> None:

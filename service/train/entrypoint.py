@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import os
+import signal
 import sys
 import time
 import uuid
@@ -39,6 +40,7 @@ REPORT_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 # E-level core-worker line in every job's log ("PreemptionWatcher ... max_restarts > 0");
 # set RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 to have it anyway
 PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+STOPPED_EXIT = 130  # a shell's exit code for a process ended by Ctrl-C
 if not os.environ.get("RAY_ADDRESS"):
     for _key, _value in LOOPBACK_ENV.items():
         os.environ.setdefault(_key, _value)
@@ -309,6 +311,7 @@ def _run(args, spec, plan, inputs, token) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect_ray(local_cpus(spec, args.num_cpus))
+    signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
@@ -336,9 +339,26 @@ def _run(args, spec, plan, inputs, token) -> int:
     except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure
         summary.update(status="FAILED", error=f"{type(e).__name__}: {e}",
                        reason=failure_reason(e, failed))
+    except (KeyboardInterrupt, SystemExit):  # Ray Train's handler aborted the run
+        summary.update(status="STOPPED", error="stopped (Ctrl-C, SIGTERM or a cancel)")
     summary["seconds"] = round(time.time() - start, 2)
     print(json.dumps({"summary": summary}), flush=True)
-    return 0 if summary["status"] == "SUCCEEDED" else 1
+    return {"SUCCEEDED": 0, "STOPPED": STOPPED_EXIT}.get(summary["status"], 1)
+
+
+def _stop_as_on_ctrl_c(signum, frame) -> None:
+    """SIGTERM (``ray job stop``, a cancel through the control plane) does what Ctrl-C
+    does: Ray Train's SIGINT handler, set while ``fit`` runs, aborts the run through its
+    controller, whose abort hook ends the trackers' runs KILLED; the default SIGTERM
+    would end this driver at once, and with it the controller, its runs left RUNNING.
+    Before ``fit``, the driver ends as it would have."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not signal.default_int_handler:
+        print(f"stopping: {signal.Signals(signum).name} received; aborting the run",
+              file=sys.stderr, flush=True)
+        handler(signal.SIGINT, frame)
+    else:
+        raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from .data import Batches
 from .export import export
 from .mesh import build_mesh, device, tp_size
 from .metrics import flops_per_token, peak_flops, step_record
+from .rank_records import keep_record
 from .weights import load_weights
 
 BUILTIN_INPUTS = {"model": BUILTIN, "data": {"kind": "builtin"}}
@@ -179,7 +180,8 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
     ``progress`` (if given) always holds the phase and the 1-based step in progress.
-    With ``job_dir``, rank 0 logs this start's layout event there and reports it. With
+    With ``job_dir``, rank 0 logs this start's layout event there and reports it, and
+    every rank keeps its record of each step there (``rank_records``). With
     ``capacity`` (an elastic job), a step after which Ray Train could start a larger
     planned layout is checkpointed, so that the resize it is about to make resumes there."""
     inputs = inputs or BUILTIN_INPUTS
@@ -220,10 +222,12 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
             record["capacity"], grow = capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
+        if job_dir:  # before the checkpoint and the report: a cancel loses neither
+            keep_record(job_dir, record)
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(
-                spec, checkpoint_dir, step + 1, model, opt, record=record, job_dir=job_dir)
+                spec, checkpoint_dir, step + 1, model, opt)
         report(record, path)
         nonfinite.check()
     progress.update(phase="export", step=None)
