@@ -27,6 +27,7 @@ from .store import JobStore
 
 INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
+STOP_ALL_TIMEOUT_S = 45.0  # a shutdown's wait for its jobs (each has 30 s to stop)
 ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 # a job's log is a file the CLI and the dashboard read, never a terminal: Ray's process
@@ -129,6 +130,23 @@ class RayJobRunner:
                               reason)
         elif job["status"] in TERMINAL:
             self.client.stop_job(job_id)  # cancelled in the store, still on Ray: again
+
+    def stop_all(self, timeout_s: float = STOP_ALL_TIMEOUT_S) -> None:
+        """Stop every job Ray holds and settle each once Ray says it ended (waiting at
+        most ``timeout_s`` in all): before the service stops its local head, so a job
+        ends as a cancel ends it (its trackers' runs KILLED, its last steps kept), not
+        killed with the head and found FAILED by the next service. Call after
+        ``close``: nothing is submitted meanwhile."""
+        jobs = self.store.on_ray()
+        for job in jobs:
+            self.stop_quietly(job["id"])
+        deadline = time.monotonic() + timeout_s
+        for job in jobs:
+            while time.monotonic() < deadline and self._guarded(
+                    f"waiting for {job['id']} to stop", self.status_of,
+                    job["id"]) not in (*TERMINAL, None):
+                time.sleep(0.5)
+            self._guarded(f"reconciling {job['id']}", self.reconcile, job)
 
     def failure_reason(self, job_id: str) -> dict | None:
         """What the job's first failing rank (or its entrypoint) wrote: type, message,

@@ -180,10 +180,9 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
     ``progress`` (if given) always holds the phase and the 1-based step in progress.
-    With ``job_dir``, rank 0 logs this start's layout event there and reports it, and
-    every rank keeps its record of each step there (``rank_records``). With
-    ``capacity`` (an elastic job), a step after which Ray Train could start a larger
-    planned layout is checkpointed, so that the resize it is about to make resumes there."""
+    With ``job_dir``, each rank keeps its records there and rank 0 logs this start's layout
+    event there and reports it. With ``capacity`` (an elastic job), a step after which Ray
+    Train could start a larger planned layout is checkpointed, for the coming resize."""
     inputs = inputs or BUILTIN_INPUTS
     progress = progress if progress is not None else {}
     progress.update(phase="setup", step=None)
@@ -222,8 +221,7 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
             record["capacity"], grow = capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, (dp_rank, dp_size), batch)
-        if job_dir:  # before the checkpoint and the report: a cancel loses neither
-            keep_record(job_dir, record)
+        keep_record(job_dir, record)  # before the checkpoint and the report
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(

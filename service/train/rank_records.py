@@ -17,8 +17,11 @@ import os
 RANK_RECORDS = "rank_records"
 
 
-def keep_record(job_dir: str, record: dict) -> None:
-    """Append this rank's record of the step it just ran."""
+def keep_record(job_dir: str | None, record: dict) -> None:
+    """Append this rank's record of the step it just ran (nowhere without ``job_dir``:
+    a run outside a job, as in the tests)."""
+    if not job_dir:
+        return
     folder = os.path.join(job_dir, RANK_RECORDS)
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, f"rank_{record['rank']:05d}.jsonl"), "a") as fh:
