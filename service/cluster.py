@@ -5,15 +5,17 @@ the control plane starts when ``RAY_ADDRESS`` is unset.
 The head runs as a separate ``ray start --head --block`` process in its own session, so it
 outlives the service: a restarted (even SIGKILLed) service finds it through
 ``<state_dir>/ray_head.json`` and re-attaches, and running jobs go on. ``stop()`` ends
-that session and every process started with the head's private temp dir; it never runs
-``ray stop``, which would end every Ray process on the machine. A service that shuts
-down (Ctrl-C, SIGTERM) stops its head unless told to keep it (``DMUON_KEEP_RAY``).
+that session and every process started with the head's private temp dir, then removes
+that dir; it never runs ``ray stop``, which would end every Ray process on the machine.
+A service that shuts down (Ctrl-C, SIGTERM) stops its head unless told to keep it
+(``DMUON_KEEP_RAY``).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -24,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 STATE_FILE = "ray_head.json"
+TEMP_PREFIX = "dmuon-ray-"  # a head's own temp dir; stop() removes only these
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class LocalRayHead:
 
     @classmethod
     def start(cls, num_cpus: int = 4, ready_timeout: float = 90) -> LocalRayHead:
-        head = cls(0, free_port(), free_port(), tempfile.mkdtemp(prefix="dmuon-ray-"))
+        head = cls(0, free_port(), free_port(), tempfile.mkdtemp(prefix=TEMP_PREFIX))
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
                "RAY_USAGE_STATS_ENABLED": "0"}
         env.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on
@@ -116,7 +119,7 @@ class LocalRayHead:
         deadline = time.time() + ready_timeout
         while not head.ready():
             if proc.poll() is not None or time.time() > deadline:
-                head.stop()
+                head._end()  # its temp dir stays: the reason is in its logs
                 raise RuntimeError(f"the local Ray head did not come up (ray start exit "
                                    f"code {proc.poll()}, temp dir {head.temp_dir})")
             time.sleep(0.5)
@@ -156,6 +159,13 @@ class LocalRayHead:
         return sorted(set(pids_with(self.temp_dir)) | set(_in_session(self.pid)))
 
     def stop(self) -> None:
+        """End the head's processes, then remove its temp dir (its sessions' logs,
+        sockets and spilled objects: a few MB a head, which Ray leaves behind)."""
+        if self._end() and os.path.basename(self.temp_dir).startswith(TEMP_PREFIX):
+            shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _end(self) -> bool:
+        """SIGTERM, then SIGKILL, to every process of the head; whether all ended."""
         for sig, wait_s in ((signal.SIGTERM, 5), (signal.SIGKILL, 5)):
             for kill, target in ((os.killpg, self.pid), *((os.kill, p)
                                                            for p in self._processes())):
@@ -168,7 +178,8 @@ class LocalRayHead:
                 _reap(self.pid)
                 time.sleep(0.5)
             if not _alive(self.pid) and not self._processes():
-                return
+                return True
+        return False
 
 
 def pids_with(*parts: str) -> list[int]:

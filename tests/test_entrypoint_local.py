@@ -18,6 +18,7 @@ import sys
 import pytest
 import yaml
 
+from service.cluster import LocalRayHead
 from service.spec import parse_spec
 from service.train.entrypoint import local_cpus
 
@@ -62,15 +63,27 @@ def test_half_cpu_workers_need_half_the_cpus(monkeypatch):
 
 
 def test_the_readme_command_runs_its_job_yaml_to_success(tmp_path):
+    """... and, with a second Ray instance on the machine (a service's head), its
+    redirected output is what the job said: no colour codes, no Ray traceback from a
+    neighbour's instance, no error line from Ray Train's own actors (issue 43, 4 and 6)."""
     (tmp_path / "job.yaml").write_text(_readme_job())
     spec = yaml.safe_load(_readme_job())
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "DMUON_LOCAL_CPUS", "DMUON_STORAGE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run(_readme_command(), cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=400)
-    out = proc.stdout
-    assert proc.returncode == 0, out[-3000:] + proc.stderr[-3000:]
+    neighbour = LocalRayHead.start(num_cpus=1)
+    try:
+        proc = subprocess.run(_readme_command(), cwd=tmp_path, env=env, capture_output=True,
+                              timeout=400)
+    finally:
+        neighbour.stop()
+    assert not os.path.exists(neighbour.temp_dir)  # a stopped head leaves no temp dir
+    out, err = proc.stdout.decode(), proc.stderr.decode()
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert b"\x1b" not in proc.stdout + proc.stderr, (out + err)[-3000:]
+    assert "Traceback" not in out + err, (out + err)[-3000:]
+    assert "multiple active Ray instances" not in out + err, (out + err)[-3000:]
+    assert not re.search(r" E \d+ \d+\]|max_restarts > 0", out + err), err
     summary = json.loads(next(line for line in reversed(out.splitlines())
                               if line.startswith('{"summary": ')))["summary"]
     assert (summary["status"], summary["layout"], summary["final_step"]) == (

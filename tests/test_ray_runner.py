@@ -144,15 +144,16 @@ def test_trainer_learns_and_reports_every_rank(baseline, storage):
     assert coords == {0: (0, 0), 1: (0, 1), 2: (1, 0), 3: (1, 1)}
     got, expect = _tensorboard_loss(storage, "baseline")  # the controller's event file
     assert got == expect and [s for s, _ in got] == steps
-    # each rank kept its record of each checkpointed step (4, 8) before the checkpoint
-    # committed: the very record the controller spooled
+    # each rank kept its record of every step, once: the very record the controller
+    # spooled
     kept = {}
-    for path in glob.glob(os.path.join(storage, "baseline", "checkpoint_records", "*")):
+    for path in glob.glob(os.path.join(storage, "baseline", "rank_records", "*")):
         with open(path) as fh:
-            kept.update(((r["step"], r["rank"]), r) for r in map(json.loads, fh))
+            for r in map(json.loads, fh):
+                assert kept.setdefault((r["step"], r["rank"]), r) is r
     spooled = {(r["step"], r["rank"]): {k: v for k, v in r.items() if k != "job_id"}
                for r in records}
-    assert sorted(kept) == [(s, r) for s in (4, 8) for r in range(4)]
+    assert sorted(kept) == sorted(spooled) == [(s, r) for s in steps for r in range(4)]
     assert all(kept[key] == spooled[key] for key in kept)
 
 
@@ -306,6 +307,7 @@ def test_second_local_head_on_the_same_machine_takes_jobs(head):
         assert "42" in client.get_job_logs(job)
     finally:
         second.stop()
+    assert not os.path.exists(second.temp_dir)  # nor its temp dir (issue 43, item 11)
 
 
 def test_service_plans_on_the_attached_clusters_nodes(head, tmp_path):
@@ -451,25 +453,26 @@ def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeyp
     assert "DMUON_API_TOKEN" not in runner_module.FORWARDED_ENV
 
 
-def test_a_cancelled_jobs_checkpointed_step_reaches_its_metrics(runner):
-    """A job cancelled right after its checkpoint of step 4 committed, while that
-    step's reports were still on their way to Ray Train's controller (the sleeper
-    stands for it; its ranks' records are written by the workers' own function): once
-    Ray says STOPPED, the store holds step 4 of every rank; a record the job posted
-    stays as posted, and a line cut short by the kill is left out."""
+def test_a_cancelled_jobs_kept_steps_reach_its_metrics(runner):
+    """A job cancelled while its last steps' reports were still on their way to Ray
+    Train's controller (the sleeper stands for it; its ranks' records are written by the
+    workers' own function): once Ray says STOPPED, the store holds those steps of every
+    rank; a record the job posted stays as posted, a line cut short by the kill is left
+    out, and so is a step not every rank of its layout kept."""
     from service.api.records import StepRecord, ingest
-    from service.train.checkpoints import keep_record
+    from service.train.rank_records import keep_record
 
     store = runner.store
     job_id = _job(store, "cancelled")
     assert runner.submit_next()
     job_dir = os.path.join(runner.storage, job_id)
-    kept = [{"step": s, "rank": r, "loss": 5.0 - s / 10 + r / 100, "step_time_s": 0.1}
-            for s in (2, 4) for r in range(2)]
+    kept = [{"step": s, "rank": r, "loss": 5.0 - s / 10 + r / 100, "step_time_s": 0.1,
+             "layout": [1, 2]} for s in (2, 3, 4) for r in range(2)]
     for record in kept:
         keep_record(job_dir, record)
-    with open(os.path.join(job_dir, "checkpoint_records", "rank_00001.jsonl"), "a") as fh:
-        fh.write('{"step": 6, "rank": 1, "lo')  # the kill came mid-line
+    keep_record(job_dir, {**kept[0], "step": 5})  # rank 1 never kept step 5
+    with open(os.path.join(job_dir, "rank_records", "rank_00001.jsonl"), "a") as fh:
+        fh.write('{"step": 5, "rank": 1, "lo')  # the kill came mid-line
     posted = StepRecord.model_validate({**kept[0], "job_id": job_id, "loss": 9.5})
     ingest(store, job_id, [posted], "post")
     assert store.cancel(job_id)[1]
@@ -479,3 +482,74 @@ def test_a_cancelled_jobs_checkpointed_step_reaches_its_metrics(runner):
     assert store.on_ray() == []  # settled
     got = {(m["step"], m["rank"]): m["loss"] for m in store.metrics(job_id)}
     assert got == {(2, 0): 9.5, **{(r["step"], r["rank"]): r["loss"] for r in kept[1:]}}
+
+
+def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
+        head, mlflow_server, tmp_path, monkeypatch):
+    """Issue 43, items 2-4: a training job on 1 x 2 workers, through the runner, with
+    MLflow and W&B, cancelled between its checkpoints of steps 4 and 8 while a second
+    Ray instance lives on the machine. Ray Train's controller takes a report every 3 s
+    here, so the spool lags the workers by a step or two (such a cancel used to leave
+    steps 1-2 and 4 in the store: a hole at 3). Once Ray says STOPPED: the store holds
+    every step from 1 to the last one both ranks ran, each rank's; the MLflow run is
+    KILLED with an end time and the W&B run has its exit record, each read back with
+    its own tool; the job's log holds no traceback."""
+    from service.api import runner as runner_module
+    from service.api.store import JobStore
+    from service.plan.make import plan_document
+    from service.train.checkpoints import committed
+
+    monkeypatch.setattr(runner_module, "JOB_ENV", {
+        **runner_module.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})
+    spec = {"name": "stopped", "model": "tiny", "steps": 40, "batch_size": 4,
+            "seq_len": 32, "layout": {"replicate": 1, "shard": 2},
+            "checkpoint": {"interval": 4}, "data": {"val_every": 0},
+            "metrics": {"mlflow": {"tracking_uri": mlflow_server.wait().url},
+                        "wandb": {"mode": "offline"}}}
+    plan = plan_document(parse_spec(spec), None, 2).model_dump(mode="json")
+    store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
+    runner = runner_module.RayJobRunner(store, head.dashboard, storage=str(tmp_path / "runs"),
+                                        data_root=str(tmp_path), service_url="http://127.0.0.1:9")
+    neighbour = LocalRayHead.start(num_cpus=1)
+    try:
+        job_id = store.create_job("stopped", spec, dry_run=False, plan=plan)[0]["id"]
+        assert runner.submit_next()
+        job_dir = os.path.join(runner.storage, job_id)
+        deadline = time.time() + 240
+        while not committed(os.path.join(job_dir, "dcp")):
+            assert time.time() < deadline, runner.logs(job_id)[-3000:]
+            assert runner.status_of(job_id) in ("PENDING", "RUNNING"), runner.logs(job_id)
+            time.sleep(0.2)
+        assert store.cancel(job_id)[1]
+        runner.stop_quietly(job_id)  # what the API does
+        assert _ray_status(runner, job_id, {"STOPPED"}, timeout=90) == "STOPPED"
+        runner.sync()
+        log = runner.logs(job_id)
+    finally:
+        neighbour.stop()
+        store.close()
+    assert store.get_job(job_id)["status"] == "STOPPED" and not store.on_ray()
+    newest = os.path.basename(committed(os.path.join(job_dir, "dcp"))[-1])
+    assert newest == "step_000004", newest  # stopped between two checkpoints
+    ranks: dict[int, list[int]] = {}
+    for m in store.metrics(job_id):
+        ranks.setdefault(m["step"], []).append(m["rank"])
+    last = max(ranks)
+    assert sorted(ranks) == list(range(1, last + 1)), sorted(ranks)  # no hole
+    assert all(sorted(r) == [0, 1] for r in ranks.values()), ranks
+    ran = {}
+    for path in glob.glob(os.path.join(job_dir, "rank_records", "*")):
+        with open(path) as fh:
+            for r in map(json.loads, fh):
+                ran.setdefault(r["step"], set()).add(r["rank"])
+    assert last == max(s for s, r in ran.items() if r == {0, 1}) >= 4
+    run, history = mlflow_run(mlflow_server.url, job_id)
+    assert run.info.status == "KILLED", run.info
+    assert run.info.end_time is not None and run.info.end_time >= run.info.start_time
+    drawn = [s for s, _ in history["loss"]]
+    assert drawn == list(range(1, len(drawn) + 1)) and len(drawn) <= last
+    records, in_wandb = wandb_run(job_dir)
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [130]
+    assert [s for s, _ in in_wandb["loss"]] == drawn
+    assert "Traceback" not in log and "multiple active Ray instances" not in log, log
+    assert "stopping: SIGTERM received" in log, log[-3000:]

@@ -79,11 +79,11 @@ def _report_as_ray_train(callback, by_step) -> None:
     """One step's ranks in two calls, out of order; step 1 again with other losses (a
     restarted group's report) after step 2: the first complete set stays."""
     for step, ranks in by_step.items():
-        callback.after_report(None, [ranks[3], ranks[1]], None)
+        callback.after_report(None, [ranks[3], ranks[1]])
         assert step not in callback.aggregator.written
-        callback.after_report(None, [ranks[2], ranks[0]], None)
+        callback.after_report(None, [ranks[2], ranks[0]])
         if step == 2:
-            callback.after_report(None, [{**r, "loss": 99.0} for r in by_step[1]], None)
+            callback.after_report(None, [{**r, "loss": 99.0} for r in by_step[1]])
 
 
 def test_every_steps_scalars_read_back_equal_the_records_in_every_sink(records, tmp_path):
@@ -134,6 +134,41 @@ def test_every_steps_scalars_read_back_equal_the_records_in_every_sink(records, 
     assert [r["exit"]["exit_code"] for r in records_wandb if r["type"] == "exit"] == [0]
 
 
+@pytest.mark.parametrize("ending,status,exit_code", [
+    ("failed", "FAILED", 1), ("aborted", "KILLED", 130), ("exited", "KILLED", 130)])
+def test_a_job_that_ends_before_its_last_step_ends_its_runs_so(records, tmp_path, ending,
+                                                               status, exit_code):
+    """Steps 1 and 2 of 4 reported, then Ray Train's controller finishes with an error
+    (the workers failed past ``max_failures``), is aborted (a cancel, Ctrl-C), or exits
+    without a word: the MLflow run ends FAILED or KILLED with an end time, the W&B run
+    with an exit record, each read back with its own tool."""
+    import types
+
+    import wandb
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    spec = parse_spec({**SPEC, "metrics": {"mlflow": {"tracking_uri": uri},
+                                           "wandb": {"mode": "offline"}}})
+    job_dir = tmp_path / "job-3"
+    [callback] = tracking.callbacks(spec, str(job_dir), world_size=4)
+    callback.after_report(None, [r for r in records if r["step"] <= 2])
+    if ending == "failed":
+        callback.after_controller_finish(types.SimpleNamespace(error=RuntimeError("rank 1")))
+    elif ending == "aborted":
+        callback.before_controller_abort()
+    else:
+        callback.aggregator.close()  # what the controller's atexit hook calls
+    callback.after_controller_finish(types.SimpleNamespace(error=None))  # no second end
+    wandb.teardown()
+    run, history = mlflow_run(uri, "job-3")
+    assert run.info.status == status and run.info.end_time >= run.info.start_time
+    assert [s for s, _ in history["loss"]] == [1, 2]
+    records_wandb, in_wandb = wandb_run(str(job_dir))
+    assert [r["exit"]["exit_code"] for r in records_wandb if r["type"] == "exit"] == [
+        exit_code]
+    assert [s for s, _ in in_wandb["loss"]] == [1, 2]
+
+
 def test_a_sink_that_cannot_open_is_reported_and_the_others_go_on(records, tmp_path,
                                                                    capfd):
     """MLflow's SQLite store under a regular file cannot be made: the job's log says so
@@ -142,7 +177,7 @@ def test_a_sink_that_cannot_open_is_reported_and_the_others_go_on(records, tmp_p
     uri = f"sqlite:///{tmp_path}/a-file/mlflow.db"
     spec = parse_spec({**SPEC, "metrics": {"mlflow": {"tracking_uri": uri}}})
     [callback] = tracking.callbacks(spec, str(tmp_path / "job-2"), world_size=4)
-    callback.after_report(None, records, None)
+    callback.after_report(None, records)
     assert [s.name for s in callback.aggregator.sinks] == ["tensorboard"]
     assert "tracking: mlflow could not open (FileExistsError" in capfd.readouterr().err
     got = scalars(str(tmp_path / "job-2" / "tensorboard"))

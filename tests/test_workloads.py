@@ -13,7 +13,8 @@ workers, gloo on loopback):
 - an elastic job whose smallest layout the head cannot hold fails once it has waited
   ``layout.elastic.max_wait_s``, naming both counts (Ray Train alone waits for ever);
 - bad paths and sizes refused with their field path before anything is stored;
-- Ctrl-C stops the service and every process of its head.
+- Ctrl-C stops the service, its running job as a cancel would, and every process of
+  its head.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -313,17 +315,44 @@ def test_bad_paths_and_sizes_are_refused_naming_the_field(svc):
 
 def test_ctrl_c_stops_the_service_and_every_process_of_its_head(svc):
     """Last in this module: Ctrl-C (SIGINT) to dmuon-serve, restarted here with its
-    standard error in a file: exit 0, no traceback, none of the head's processes left
-    (by PID), the record gone. (SIGTERM, and --keep-ray: tests/test_app_ray.py.)"""
+    standard error in a file, while a job with MLflow and W&B runs: exit 0, no
+    traceback, the job STOPPED as on a cancel (its MLflow run KILLED with an end time,
+    its W&B run with its exit record, read back with their own tools), none of the
+    head's processes left (by PID), its temp dir and the record gone. (SIGTERM, and
+    --keep-ray: tests/test_app_ray.py.)"""
+    from _tracking import mlflow_run, wandb_run
+
+    from service.api.store import JobStore
+
     svc.kill()
     stderr = os.path.join(svc.root, "serve.stderr")
     svc.start(stderr=stderr)
     head = svc.head()
     processes = head_processes(head)
     assert head["pid"] in processes and len(processes) > 5
-    assert svc.signalled(signal.SIGINT) == 0
+    uri = f"sqlite:///{svc.root}/mlflow.db"
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {
+        "name": "interrupted", "model": "tiny", "steps": 400, "batch_size": 4,
+        "seq_len": 32, "layout": {"replicate": 2, "shard": 2},
+        "metrics": {"mlflow": {"tracking_uri": uri}, "wandb": {"mode": "offline"}}}})
+    assert status == 201, job
+    deadline = time.time() + 240
+    while not svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]:
+        assert time.time() < deadline, svc.request("GET", f"/v1/jobs/{job['id']}")[1]
+        time.sleep(0.5)
+    assert svc.signalled(signal.SIGINT, timeout=120) == 0
     with open(stderr) as fh:
         err = fh.read()
     assert "Traceback" not in err and "KeyboardInterrupt" not in err, err[-3000:]
     assert alive(processes) == set()
     assert not os.path.exists(os.path.join(svc.env["DMUON_STORAGE"], STATE_FILE))
+    assert not os.path.exists(head["temp_dir"])
+    store = JobStore(f"sqlite:///{svc.env['DMUON_DB']}")
+    try:
+        assert store.get_job(job["id"])["status"] == "STOPPED"
+    finally:
+        store.close()
+    run, _ = mlflow_run(uri, job["id"])
+    assert run.info.status == "KILLED" and run.info.end_time >= run.info.start_time
+    records, _ = wandb_run(os.path.join(svc.env["DMUON_STORAGE"], job["id"]))
+    assert [r["exit"]["exit_code"] for r in records if r["type"] == "exit"] == [130]

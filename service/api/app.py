@@ -66,6 +66,9 @@ async def _lifespan(app: FastAPI):
     yield
     if app.state.runner is not None:
         app.state.runner.close()
+        if app.state.local_head is not None and not app.state.settings.keep_ray:
+            # the head is about to go: its jobs stop as on a cancel, first
+            await asyncio.to_thread(app.state.runner.stop_all)
     app.state.store.close()
     await _leave_local_head(app)
 

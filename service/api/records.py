@@ -19,8 +19,8 @@ from ..spec import field_path, text
 from .store import JobStore
 
 MAX_RECORDS = 1000  # per request
-# each rank's records of its checkpointed steps (service.train.checkpoints.keep_record)
-CHECKPOINT_RECORDS = "checkpoint_records"
+# each rank's record of every step it ran (service.train.rank_records.keep_record)
+RANK_RECORDS = "rank_records"
 MAX_STEP = 1 << 40
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = float | None
@@ -98,8 +98,8 @@ Records = Annotated[list[StepRecord], Field(max_length=MAX_RECORDS)]
 
 
 def ingest(store: JobStore, job_id: str, records: list[StepRecord], source: str) -> int:
-    """Into the store: posts and checkpoint records (``source`` ``post``, ``ckpt``: at
-    most 8 characters) never replace a record, the job's spool corrects one."""
+    """Into the store: posts and the ranks' own records (``source`` ``post``, ``rank``:
+    at most 8 characters) never replace a record, the job's spool corrects one."""
     rows = [(r.step, r.rank, r.canonical()) for r in records]
     return store.add_metrics(job_id, rows, source, authoritative=source == "spool")
 
@@ -129,12 +129,13 @@ def read_spool(store: JobStore, job_id: str, path: str, offset: int) -> tuple[in
     return stored, problems
 
 
-def read_checkpoint_records(store: JobStore, job_id: str, job_dir: str
-                            ) -> tuple[int, list[str]]:
-    """Ingest the records the ranks kept before each checkpoint committed, where the
-    store lacks them (a job stopped while its last reports were still on their way);
-    never replacing a stored one. Returns (records stored, problems)."""
-    folder = os.path.join(job_dir, CHECKPOINT_RECORDS)
+def read_rank_records(store: JobStore, job_id: str, job_dir: str) -> tuple[int, list[str]]:
+    """Ingest the records the ranks kept of every step they ran, where the store lacks
+    them (a job stopped while its last reports were still on their way to the spool);
+    never replacing a stored one. A step is taken once every rank of the layout it ran
+    on kept it (a job stopped mid-write leaves its last step to the spool, if any).
+    Returns (records stored, problems)."""
+    folder = os.path.join(job_dir, RANK_RECORDS)
     try:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".jsonl"))
     except FileNotFoundError:
@@ -149,7 +150,17 @@ def read_checkpoint_records(store: JobStore, job_id: str, job_dir: str
                                                           "job_id": job_id}))
             except (ValueError, TypeError, ValidationError) as e:
                 problems.append(f"{folder}/{name}: line {number + 1}: {_reason(e)}")
-    return ingest(store, job_id, records, "ckpt"), problems
+    return ingest(store, job_id, _complete_steps(records), "rank"), problems
+
+
+def _complete_steps(records: list[StepRecord]) -> list[StepRecord]:
+    """The records of the steps every rank of their layout kept (a record without a
+    layout counts as complete)."""
+    ranks: dict[tuple, set[int]] = {}
+    for r in records:
+        ranks.setdefault((r.step, r.layout), set()).add(r.rank)
+    return [r for r in records
+            if r.layout is None or len(ranks[r.step, r.layout]) == math.prod(r.layout)]
 
 
 def _reason(e: Exception) -> str:

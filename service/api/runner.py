@@ -21,17 +21,20 @@ from .. import failure
 from ..cluster import NodeInfo, inventory_from_dashboard
 from ..inputs.packages import PackageError, runtime_working_dir
 from .guard import token_hash
-from .records import read_checkpoint_records, read_spool, spool_path
+from .records import read_rank_records, read_spool, spool_path
 from .schema import CLAIMED, TERMINAL
 from .store import JobStore
 
 INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
+STOP_ALL_TIMEOUT_S = 45.0  # a shutdown's wait for its jobs (each has 30 s to stop)
 ENTRYPOINT = (sys.executable, "-m", "service.train.entrypoint")
 FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 # a job's log is a file the CLI and the dashboard read, never a terminal: Ray's process
-# prefixes without colour codes
-JOB_ENV = {"RAY_COLOR_PREFIX": "0"}
+# prefixes without colour codes. A cancel (Ray's stop_job) sends SIGTERM, on which the
+# entrypoint aborts the run through Ray Train's controller, ending the trackers' runs;
+# Ray's SIGKILL comes 3 s later by default, too soon for a W&B run to finish
+JOB_ENV = {"RAY_COLOR_PREFIX": "0", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
 
 
 def _log(message: str) -> None:
@@ -121,12 +124,29 @@ class RayJobRunner:
         self.ingest_spool(job_id, job["spool_offset"])
         status = str(info.status.value)
         if status in TERMINAL:
-            self.ingest_checkpoint_records(job_id)
+            self.ingest_rank_records(job_id)
             reason = self.failure_reason(job_id) if status == "FAILED" else None
             self.store.settle(job_id, status, outcome_message(job_id, info.message, reason),
                               reason)
         elif job["status"] in TERMINAL:
             self.client.stop_job(job_id)  # cancelled in the store, still on Ray: again
+
+    def stop_all(self, timeout_s: float = STOP_ALL_TIMEOUT_S) -> None:
+        """Stop every job Ray holds and settle each once Ray says it ended (waiting at
+        most ``timeout_s`` in all): before the service stops its local head, so a job
+        ends as a cancel ends it (its trackers' runs KILLED, its last steps kept), not
+        killed with the head and found FAILED by the next service. Call after
+        ``close``: nothing is submitted meanwhile."""
+        jobs = self.store.on_ray()
+        for job in jobs:
+            self.stop_quietly(job["id"])
+        deadline = time.monotonic() + timeout_s
+        for job in jobs:
+            while time.monotonic() < deadline and self._guarded(
+                    f"waiting for {job['id']} to stop", self.status_of,
+                    job["id"]) not in (*TERMINAL, None):
+                time.sleep(0.5)
+            self._guarded(f"reconciling {job['id']}", self.reconcile, job)
 
     def failure_reason(self, job_id: str) -> dict | None:
         """What the job's first failing rank (or its entrypoint) wrote: type, message,
@@ -231,13 +251,14 @@ class RayJobRunner:
             _log(f"skipped a spool line: {problem}")
         return stored
 
-    def ingest_checkpoint_records(self, job_id: str) -> int:
-        """The records of the job's checkpointed steps the store lacks: a cancel stops the
-        job before its last reports reach the spool, not before its checkpoint's."""
-        stored, problems = read_checkpoint_records(self.store, job_id,
-                                                   os.path.join(self.storage, job_id))
+    def ingest_rank_records(self, job_id: str) -> int:
+        """The records of the job's steps the store lacks, from the ranks' own files: a
+        cancel stops the job before its last reports reach the spool, not before the
+        ranks kept them."""
+        stored, problems = read_rank_records(self.store, job_id,
+                                             os.path.join(self.storage, job_id))
         for problem in problems:
-            _log(f"skipped a checkpoint record: {problem}")
+            _log(f"skipped a rank's record: {problem}")
         return stored
 
     def stop_quietly(self, job_id: str) -> None:

@@ -1,10 +1,8 @@
 """The job's checkpoints: when to save (every K steps and always the final step), which
-to keep (the last M), where to resume from, and each checkpointed step's records, kept
-before the checkpoint commits."""
+to keep (the last M), where to resume from."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
@@ -13,10 +11,6 @@ import torch.distributed as dist
 import dmuon
 
 from ..spec import JobSpec
-
-# <job>/checkpoint_records/rank_<R>.jsonl; the control plane reads it by the same name
-# (service.api.records.CHECKPOINT_RECORDS)
-CHECKPOINT_RECORDS = "checkpoint_records"
 
 
 def due(spec: JobSpec, step: int) -> bool:
@@ -39,24 +33,9 @@ def latest_committed(root: str | None) -> str | None:
     return done[-1] if done else None
 
 
-def keep_record(job_dir: str, record: dict) -> None:
-    """This rank's record of a step about to be checkpointed, written before the
-    checkpoint commits: a job stopped right after (a cancel) loses the reports still on
-    their way to Ray Train's controller, but never the record of the step it could
-    resume from; the control plane adds it when Ray says the job ended. One file per
-    rank: appends from several hosts to one file on shared storage are not atomic."""
-    folder = os.path.join(job_dir, CHECKPOINT_RECORDS)
-    os.makedirs(folder, exist_ok=True)
-    with open(os.path.join(folder, f"rank_{record['rank']:05d}.jsonl"), "a") as fh:
-        fh.write(json.dumps(record) + "\n")
-
-
-def save(spec: JobSpec, root: str, step: int, model, opt, *, record: dict | None = None,
-         job_dir: str | None = None) -> str:
+def save(spec: JobSpec, root: str, step: int, model, opt) -> str:
     """Save ``step`` and drop all but the newest ``keep_last`` (rank 0 deletes, after
-    every rank has finished writing). With ``job_dir``, ``record`` is kept first."""
-    if job_dir and record is not None:
-        keep_record(job_dir, record)
+    every rank has finished writing)."""
     path = os.path.join(root, f"step_{step:06d}")
     dmuon.checkpoint.save(path, model, opt, extra={"step": step})
     keep = spec.checkpoint.keep_last

@@ -18,8 +18,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import math
 import os
+import signal
 import sys
 import time
 import uuid
@@ -32,6 +34,13 @@ LOOPBACK_ENV = {
     "OMP_NUM_THREADS": "1",
 }
 REPORT_POLL_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
+# Ray Train's preemption watcher lets a training function take a just-in-time checkpoint
+# when a node is drained (ray.train.get_preemption_info); this loop never asks, so it
+# resumes from its last checkpoint as after any failure. The watcher's actor costs an
+# E-level core-worker line in every job's log ("PreemptionWatcher ... max_restarts > 0");
+# set RAY_TRAIN_ENABLE_PREEMPTION_WATCHER=1 to have it anyway
+PREEMPTION_WATCHER_ENV = "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER"
+STOPPED_EXIT = 130  # a shell's exit code for a process ended by Ctrl-C
 if not os.environ.get("RAY_ADDRESS"):
     for _key, _value in LOOPBACK_ENV.items():
         os.environ.setdefault(_key, _value)
@@ -53,10 +62,19 @@ def connect_ray(num_cpus: int | None = None) -> None:
     # Ray Train's controller collects reports when it polls the workers (every 2 s by
     # default): polling every 0.5 s gets each step's metrics to the service within 2 s
     os.environ.setdefault(REPORT_POLL_ENV, "0.5")
+    os.environ.setdefault(PREEMPTION_WATCHER_ENV, "0")  # Ray Train passes it on
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        # no colour codes into a file or a pipe: in the prefix of the workers' lines
+        # relayed here ("(TrainController pid=...)"), nor in Ray's own log lines
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+        for handler in logging.getLogger("ray").handlers:
+            handler.addFilter(_plain_text)
     # the workers' collectives use these too (GLOO_SOCKET_IFNAME names the NIC)
     runtime_env = {"env_vars": {k: os.environ[k] for k in (*LOOPBACK_ENV, "RAY_AUTH_MODE",
                                                            REPORT_POLL_ENV)
-                                if k in os.environ}}
+                                if k in os.environ},
+                   # every worker knows its own cluster: no search among the machine's
+                   "worker_process_setup_hook": "service.train.worker_env.name_the_cluster"}
     if os.environ.get("RAY_ADDRESS"):
         # under `ray job submit` the job's own runtime env may set the same variables:
         # combine the two rather than refuse
@@ -65,6 +83,13 @@ def connect_ray(num_cpus: int | None = None) -> None:
     else:
         ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
                  dashboard_host="127.0.0.1")
+
+
+def _plain_text(record: logging.LogRecord) -> bool:
+    """A log record's text without terminal escape codes (Ray colours the dashboard's
+    address in "Started a local Ray instance" whatever the output is)."""
+    record.msg, record.args = failure.strip_ansi(record.getMessage()), None
+    return True
 
 
 def local_cpus(spec, given: int | None = None) -> int:
@@ -286,6 +311,7 @@ def _run(args, spec, plan, inputs, token) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     connect_ray(local_cpus(spec, args.num_cpus))
+    signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
     try:
@@ -313,9 +339,26 @@ def _run(args, spec, plan, inputs, token) -> int:
     except Exception as e:  # noqa: BLE001 - Ray Train raises its own errors on failure
         summary.update(status="FAILED", error=f"{type(e).__name__}: {e}",
                        reason=failure_reason(e, failed))
+    except (KeyboardInterrupt, SystemExit):  # Ray Train's handler aborted the run
+        summary.update(status="STOPPED", error="stopped (Ctrl-C, SIGTERM or a cancel)")
     summary["seconds"] = round(time.time() - start, 2)
     print(json.dumps({"summary": summary}), flush=True)
-    return 0 if summary["status"] == "SUCCEEDED" else 1
+    return {"SUCCEEDED": 0, "STOPPED": STOPPED_EXIT}.get(summary["status"], 1)
+
+
+def _stop_as_on_ctrl_c(signum, frame) -> None:
+    """SIGTERM (``ray job stop``, a cancel through the control plane) does what Ctrl-C
+    does: Ray Train's SIGINT handler, set while ``fit`` runs, aborts the run through its
+    controller, whose abort hook ends the trackers' runs KILLED; the default SIGTERM
+    would end this driver at once, and with it the controller, its runs left RUNNING.
+    Before ``fit``, the driver ends as it would have."""
+    handler = signal.getsignal(signal.SIGINT)
+    if callable(handler) and handler is not signal.default_int_handler:
+        print(f"stopping: {signal.Signals(signum).name} received; aborting the run",
+              file=sys.stderr, flush=True)
+        handler(signal.SIGINT, frame)
+    else:
+        raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from .data_parallel import DataParallel
 from .export import export
 from .mesh import build_mesh, device, tp_size
 from .metrics import flops_per_token, peak_flops, step_record
+from .rank_records import keep_record
 from .weights import load_weights
 
 BUILTIN_INPUTS = {"model": BUILTIN, "data": {"kind": "builtin"}}
@@ -179,9 +180,9 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory.
     ``progress`` (if given) always holds the phase and the 1-based step in progress.
-    With ``job_dir``, rank 0 logs this start's layout event there and reports it. With
-    ``capacity`` (an elastic job), a step after which Ray Train could start a larger
-    planned layout is checkpointed, so that the resize it is about to make resumes there."""
+    With ``job_dir``, each rank keeps its records there and rank 0 logs this start's layout
+    event there and reports it. With ``capacity`` (an elastic job), a step after which Ray
+    Train could start a larger planned layout is checkpointed, for the coming resize."""
     inputs = inputs or BUILTIN_INPUTS
     progress = progress if progress is not None else {}
     progress.update(phase="setup", step=None)
@@ -221,10 +222,11 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
             record["capacity"], grow = capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, dp, batch)
+        keep_record(job_dir, record)  # before the checkpoint and the report
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(
-                spec, checkpoint_dir, step + 1, model, opt, record=record, job_dir=job_dir)
+                spec, checkpoint_dir, step + 1, model, opt)
         report(record, path)
         nonfinite.check()
     progress.update(phase="export", step=None)

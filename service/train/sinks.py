@@ -1,7 +1,7 @@
 """Where a job's per-step scalars go, on the Ray Train controller: TensorBoard event files,
 an MLflow run, a Weights & Biases run. Each sink is ``log(step, scalars, walltime)``,
-``flush()`` and ``close(complete)``; ``service.train.tracking`` hands every sink the same
-scalars of a step once, in step order.
+``flush()`` and ``close(status)`` (FINISHED, FAILED or KILLED); ``service.train.tracking``
+hands every sink the same scalars of a step once, in step order.
 
 Credentials come from each tool's own environment variables on the node that runs the
 controller (``service.spec.tracking``); the spec holds none."""
@@ -19,6 +19,8 @@ TENSORBOARD_DIR = "tensorboard"
 WANDB_DIR = "wandb"  # W&B writes <job>/wandb/{run,offline-run}-<time>-<id>/
 PARAM_VALUE_LENGTH = 6000  # MLflow's limit on a param's value
 PARAM_KEY = re.compile(r"[^\w./ :-]")  # what MLflow refuses in a param's name
+# a W&B run's exit code for the job's status: a stopped job's is a shell's for Ctrl-C
+EXIT_CODES = {"FINISHED": 0, "FAILED": 1, "KILLED": 130}
 
 
 class TensorBoardSink:
@@ -53,7 +55,7 @@ class TensorBoardSink:
         if not self.closed:
             self.writer.flush()
 
-    def close(self, complete: bool = True) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self.closed = True
             self.writer.close()
@@ -76,7 +78,7 @@ def spec_params(spec: dict, prefix: str = "") -> dict[str, str]:
 class MlflowSink:
     """One run in the spec's experiment (created when missing), named by the job id, the
     spec as its params; every step's scalars in one ``log_batch`` (MLflow splits more
-    than 1000). The run ends FINISHED after the final step, KILLED otherwise."""
+    than 1000). The run ends with the job's status: FINISHED, FAILED or KILLED."""
 
     name = "mlflow"
 
@@ -115,16 +117,17 @@ class MlflowSink:
     def flush(self) -> None:  # log_batch is synchronous
         pass
 
-    def close(self, complete: bool = True) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self.closed = True
-            self.client.set_terminated(self.run_id, "FINISHED" if complete else "KILLED")
+            self.client.set_terminated(self.run_id, status)
 
 
 class WandbSink:
     """One run in the spec's project, named by the job id, the spec as its config, its
     files under ``<job>/wandb``. W&B's console capture and end-of-run summary are off:
-    the controller's stdout carries the job's JSON lines."""
+    the controller's stdout carries the job's JSON lines. W&B knows a run's end by its
+    exit code alone (0: finished; else failed): ``EXIT_CODES``."""
 
     name = "wandb"
 
@@ -145,10 +148,10 @@ class WandbSink:
     def flush(self) -> None:  # W&B's own process writes the run's log
         pass
 
-    def close(self, complete: bool = True) -> None:
+    def close(self, status: str = "FINISHED") -> None:
         if not self.closed:
             self.closed = True
-            self.run.finish(exit_code=0 if complete else 1)
+            self.run.finish(exit_code=EXIT_CODES[status])
 
 
 def sinks_for(metrics, job_dir: str, spec: dict) -> list:

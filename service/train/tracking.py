@@ -1,12 +1,15 @@
 """Experiment tracking on the Ray Train controller: per-step scalars from the records
 that feed ``metrics.jsonl`` and the store, written by one writer per job.
 
-``TrackingCallback`` is a Ray Train ``UserCallback`` placed after the entrypoint's
+``TrackingCallback`` is one of Ray Train's controller callbacks, after the entrypoint's
 ``MetricsCallback``: it gets the same list of per-rank records. ``StepAggregator``
 buffers them by step and hands a step's scalars to every sink once all ``world_size``
 ranks' records for that step have arrived; a step is written once (the first complete
 set, as the store keeps the first record of a (job, step, rank)), so the steps a
-restarted worker group reports again are not drawn twice.
+restarted worker group reports again are not drawn twice. The sinks' runs end with the
+job's status, whatever ends it: FINISHED with the final step, FAILED when Ray Train
+gives up, KILLED when the run is aborted (a cancel or ``ray job stop``, which the
+entrypoint turns into Ray Train's abort, or Ctrl-C) or the controller exits otherwise.
 
 Sinks (``service.train.sinks``): TensorBoard event files under
 ``<job_dir>/tensorboard/`` (on unless the spec says ``metrics: {tensorboard: false}``),
@@ -19,7 +22,11 @@ from __future__ import annotations
 import atexit
 from statistics import fmean
 
-from ray.train.v2.api.callback import UserCallback
+from ray.train.v2._internal.execution.callback import (
+    ControllerCallback,
+    ReportCallback,
+    WorkerGroupCallback,
+)
 
 from .sinks import dropped, sinks_for
 
@@ -89,16 +96,19 @@ class StepAggregator:
                 dropped(sink.name, what, e)
                 self.sinks.remove(sink)
 
-    def close(self, complete: bool = False) -> None:
-        """``complete``: the final step was written (else the job ended before it)."""
-        self.each("could not close", lambda sink: sink.close(complete))
+    def close(self, status: str = "KILLED") -> None:
+        """End every sink's run: ``status`` is FINISHED, FAILED or KILLED (MLflow's
+        names); a second close changes nothing."""
+        self.each("could not close", lambda sink: sink.close(status))
 
 
-class TrackingCallback(UserCallback):
-    """On the Ray Train controller, after ``MetricsCallback``: the sinks open there on
-    the first report (nothing is pickled open), are flushed after every report (a
-    complete step is on disk before the next report), and close on the final step, on
-    a worker failure's flush, or at the controller's exit."""
+class TrackingCallback(ReportCallback, WorkerGroupCallback, ControllerCallback):
+    """On the Ray Train controller: the sinks open there on the first report (nothing is
+    pickled open), are flushed after every report (a complete step is on disk before the
+    next report) and on a worker's failure, and close with the job's status: on the final
+    step, when the controller finishes (a failure), when the run is aborted, or at the
+    controller's exit. Ray Train's internal callback interfaces (2.60): its public
+    ``UserCallback`` hears neither of the last two."""
 
     def __init__(self, spec, job_dir: str, world_size: int):
         self.metrics, self.spec = spec.metrics, spec.model_dump(mode="json")
@@ -112,14 +122,25 @@ class TrackingCallback(UserCallback):
             atexit.register(self.aggregator.close)
         return self.aggregator
 
-    def after_report(self, run_context, metrics, checkpoint):
+    def after_report(self, training_report, metrics):
         aggregator = self._open()
         if self.final_step in aggregator.add(list(metrics)):
-            aggregator.close(complete=True)
+            aggregator.close("FINISHED")
 
-    def after_exception(self, run_context, worker_exceptions):
-        if self.aggregator is not None:  # a restarted group reports on; keep it open
+    def after_worker_group_poll_status(self, worker_group_status):
+        if worker_group_status.errors and self.aggregator is not None:
+            # a restarted group reports on: the runs stay open
             self.aggregator.each("could not flush", lambda sink: sink.flush())
+
+    def after_controller_finish(self, result):
+        if self.aggregator is not None:
+            complete = self.final_step in self.aggregator.written
+            self.aggregator.close("FINISHED" if complete else
+                                  "FAILED" if result.error else "KILLED")
+
+    def before_controller_abort(self):
+        if self.aggregator is not None:
+            self.aggregator.close("KILLED")
 
 
 def callbacks(spec, job_dir: str, world_size: int, export_only: bool = False) -> list:
