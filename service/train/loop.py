@@ -229,9 +229,13 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                 spec, checkpoint_dir, step + 1, model, opt)
         report(record, path)
         nonfinite.check()
+    return _export_at_end(model, spec, inputs["model"], mesh, export_dir, progress)
+
+
+def _export_at_end(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir, progress: dict):
     progress.update(phase="export", step=None)
-    if export_dir and spec.export.enabled:
-        export_model(model, spec, inputs["model"], mesh, export_dir)
+    if out_dir and spec.export.enabled:
+        export_model(model, spec, source, mesh, out_dir)
     return model
 
 
