@@ -26,8 +26,8 @@ import tempfile
 
 import requests
 
+from service.api.ray_head import free_port
 from service.api.serve import wait_healthy
-from service.cluster import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

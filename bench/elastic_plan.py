@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 
 from bench._record import write_record
-from service.cluster import synthetic_inventory
 from service.plan.elastic import elastic_document
+from service.plan.inventory import synthetic_inventory
 from service.plan.modes import GB
 from service.spec import SpecError, parse_spec
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from service.cluster import synthetic_inventory
+from service.plan.inventory import synthetic_inventory
 from service.plan.modes import GB
 from service.plan.predict import predict
 from service.spec import parse_spec

@@ -29,7 +29,7 @@ def _process_group() -> None:
     """A one-rank gloo group for this worker process (once)."""
     import torch.distributed as dist
 
-    from service.cluster import free_port
+    from service.api.ray_head import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1,

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 
 from bench._record import write_record
-from service.cluster import synthetic_inventory
+from service.plan.inventory import synthetic_inventory
 from service.plan.layout import PlacementError
 from service.plan.modes import GB
 from service.plan.predict import needed_bytes, predict

@@ -16,8 +16,6 @@ import re
 import time
 import traceback
 
-FAILURE_FILE = "failure.json"
-EXPORT_FAILURE_FILE = "failure-export.json"  # an export job's, apart from the job's own
 MAX_FRAMES = 6
 MAX_MESSAGE = 2000
 # CSI sequences (colours, cursor moves) and the rarer OSC ones (titles, links)

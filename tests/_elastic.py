@@ -55,8 +55,8 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
     import torch.distributed as dist
 
     import dmuon
-    from service.cluster import synthetic_inventory
     from service.inputs import resolve_inputs
+    from service.plan.inventory import synthetic_inventory
     from service.plan.make import plan_document
     from service.train.capacity import CapacityWatch
     from service.train.loop import run_training

@@ -12,8 +12,8 @@ import time
 
 import requests
 
+from service.api.ray_head import STATE_FILE, free_port, pids_with, stop_recorded
 from service.api.serve import wait_healthy
-from service.cluster import STATE_FILE, free_port, pids_with, stop_recorded
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -139,6 +139,6 @@ def head_processes(head: dict) -> set[int]:
 
 def alive(pids) -> set[int]:
     """Those still running (a zombie has ended: it only waits for its parent)."""
-    from service.cluster import _alive
+    from service.api.ray_head import _alive
 
     return {p for p in pids if _alive(p)}

@@ -22,7 +22,7 @@ import pytest
 from _browser import ARTIFACTS, page_with_errors
 from _http import Service, alive, head_processes
 
-from service.cluster import STATE_FILE
+from service.api.ray_head import STATE_FILE
 from service.failure import strip_ansi
 
 SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,

@@ -162,6 +162,69 @@ def test_service_and_bench_use_only_dmuons_public_modules():
     assert scanned >= 100 and hits == [], "\n".join(hits)
 
 
+# The sides of today's folders (issue 44 moves them into folders of their own): the job
+# model, shared by all; the control plane; the Ray driver; what each Ray Train worker runs
+JOB_MODEL = ("service.spec", "service.inputs", "service.models", "service.plan",
+             "service.failure", "service.job_dir")
+CONTROL = ("service.api", "service.cli")
+DRIVER = tuple(f"service.train.{m}" for m in (
+    "entrypoint", "deadline", "register", "reports", "tracking", "sinks", "model_check",
+    "ray_inventory"))
+WORKER = tuple(f"service.train.{m}" for m in (
+    "loop", "capacity", "checkpoints", "corpus", "data", "data_parallel", "export",
+    "export_config", "layouts", "mesh", "metrics", "rank_records", "recipe", "weights",
+    "worker_env"))
+# what each side may not import: control -> job <- driver -> worker -> job
+FORBIDDEN = {JOB_MODEL: CONTROL + DRIVER + WORKER, CONTROL: DRIVER + WORKER,
+             WORKER: CONTROL + DRIVER, DRIVER: CONTROL}
+
+
+def _on(mod: str, side: tuple) -> bool:
+    return any(mod == s or mod.startswith(s + ".") for s in side)
+
+
+def side_violations(graph: dict[str, frozenset]) -> list[str]:
+    """Each import from one side into a side it may not import."""
+    return sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
+                  for side, banned in FORBIDDEN.items()
+                  if _on(mod, side) and _on(dep, banned))
+
+
+def test_each_side_imports_only_the_sides_below_it():
+    train = {m for m in modules() if m.startswith("service.train.")}
+    assert train == set(DRIVER + WORKER)  # every file of train/ is given its side
+    graph = {m: imports(m) for m in modules() if m.startswith("service.")}
+    planted = {**graph, "service.train.loop": graph["service.train.loop"]
+               | {"service.train.reports"}}
+    assert side_violations(planted) == ["service.train.loop -> service.train.reports"]
+    assert side_violations(graph) == []
+
+
+def test_each_job_directory_name_is_written_in_one_place():
+    """``service/job_dir.py`` names every file under ``<storage>/<job>/``; no other file of
+    the service spells one out (a planted one is found)."""
+    tree = ast.parse(open(modules()["service.job_dir"]).read())
+    names = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
+             and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
+    assert "metrics.jsonl" in names and "dcp" in names and len(names) >= 10
+
+    def spelled(source: str) -> set[str]:
+        """The names used as a path's part (``os.path.join``, ``open``, a dict of files
+        to write): a name can also be a word ("export", a phase; "job_token", a field)."""
+        found = set()
+        for call in ast.walk(ast.parse(source)):
+            if isinstance(call, ast.Call) and getattr(call.func, "attr", getattr(
+                    call.func, "id", "")) in ("join", "open", "exists", "isdir", "isfile"):
+                found |= {a.value for a in call.args
+                          if isinstance(a, ast.Constant) and a.value in names}
+        return found
+
+    assert spelled('path = os.path.join(job, "plan.json")') == {"plan.json"}
+    hits = {mod: spelled(open(path).read()) for mod, path in modules().items()
+            if mod.startswith("service.") and mod != "service.job_dir"}
+    assert {m: h for m, h in hits.items() if h} == {}
+
+
 def _path_files() -> list[str]:
     """The files of the numbered list under "## The path of a job" in the docs."""
     text = open(PATH_DOC).read()

@@ -280,7 +280,7 @@ def test_parameter_counts_read_as_people_write_them():
 
 
 def _cpu_plan(data: dict, workers: int):
-    from service.cluster import synthetic_inventory
+    from service.plan.inventory import synthetic_inventory
     from service.plan.predict import predict
     from service.spec import parse_spec
 

@@ -246,7 +246,7 @@ def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"] == {
         "dashboard-host": "0.0.0.0", "num-cpus": "0"}  # job API reachable; no workers
     # sizing: the planner lays the job out as R = worker pods x N = workers per pod
-    from service.cluster import synthetic_inventory
+    from service.plan.inventory import synthetic_inventory
     from service.plan.predict import predict
 
     worker = cluster["spec"]["workerGroupSpecs"][0]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import dmuon
-from service.cluster import synthetic_inventory
+from service.plan.inventory import synthetic_inventory
 from service.plan.make import plan_document
 from service.spec import SpecError, parse_spec
 from service.train.data import Batches

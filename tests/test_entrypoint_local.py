@@ -18,7 +18,7 @@ import sys
 import pytest
 import yaml
 
-from service.cluster import LocalRayHead
+from service.api.ray_head import LocalRayHead
 from service.spec import parse_spec
 from service.train.entrypoint import local_cpus
 

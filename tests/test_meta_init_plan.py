@@ -12,9 +12,9 @@ from _train import materialized_from_meta
 import dmuon
 from dmuon import cost
 from dmuon.testing import run
-from service.cluster import synthetic_inventory
 from service.models.builtin import ModelConfig, build_model, init_builtin
 from service.models.params import split_params
+from service.plan.inventory import synthetic_inventory
 from service.plan.predict import predict
 from service.spec import parse_spec
 

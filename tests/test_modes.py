@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.cluster import synthetic_inventory
+from service.plan.inventory import synthetic_inventory
 from service.plan.predict import predict
 from service.spec import parse_spec
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from service.cluster import synthetic_inventory
+from service.plan.inventory import synthetic_inventory
 from service.plan.layout import PlacementError
 from service.plan.predict import predict
 from service.spec import SpecError, parse_spec

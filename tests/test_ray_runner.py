@@ -24,7 +24,7 @@ from _faults import installed
 from _tensorboard import TensorBoard, event_files, scalars
 from _tracking import MlflowServer, mlflow_run, wandb_run
 
-from service.cluster import RAY, LocalRayHead
+from service.api.ray_head import RAY, LocalRayHead
 from service.spec import parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

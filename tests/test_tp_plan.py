@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import dmuon
-from service.cluster import synthetic_inventory
 from service.plan.document import Layout, PlanDocument, partition_digest
 from service.plan.elastic import elastic_document
+from service.plan.inventory import synthetic_inventory
 from service.plan.layout import PlacementError, check_fits
 from service.plan.predict import predict
 from service.spec import SpecError, parse_spec

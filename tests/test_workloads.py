@@ -36,7 +36,7 @@ from _elastic import SPEC as ELASTIC
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from _http import Service, alive, head_processes
 
-from service.cluster import STATE_FILE
+from service.api.ray_head import STATE_FILE
 from service.inputs.shards import write_shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -35,7 +35,7 @@ async def _start_runner(app: FastAPI) -> None:
     settings = app.state.settings
     address = settings.ray_address
     if address is None and settings.local_ray:
-        from ..cluster import LocalRayHead
+        from ..api.ray_head import LocalRayHead
 
         head, reattached = await asyncio.to_thread(
             LocalRayHead.attach_or_start, settings.storage, settings.local_cpus)
@@ -77,7 +77,7 @@ async def _leave_local_head(app: FastAPI) -> None:
     """On a shutdown (Ctrl-C, SIGTERM), stop the local head the service ran on, by PID,
     unless ``DMUON_KEEP_RAY`` keeps it for the next service (which re-attaches). A
     SIGKILLed service leaves it running, as a kept one."""
-    from ..cluster import STATE_FILE, stop_head
+    from ..api.ray_head import STATE_FILE, stop_head
 
     head, settings = app.state.local_head, app.state.settings
     if head is None:

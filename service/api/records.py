@@ -15,12 +15,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from ..job_dir import METRICS, RANK_RECORDS
 from ..spec import field_path, text
 from .store import JobStore
 
 MAX_RECORDS = 1000  # per request
 # each rank's record of every step it ran (service.train.rank_records.keep_record)
-RANK_RECORDS = "rank_records"
 MAX_STEP = 1 << 40
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = float | None
@@ -170,4 +170,4 @@ def _reason(e: Exception) -> str:
 
 
 def spool_path(storage: str, job_id: str) -> str:
-    return os.path.join(storage, job_id, "metrics.jsonl")
+    return os.path.join(storage, job_id, METRICS)

@@ -18,8 +18,10 @@ import threading
 import time
 
 from .. import failure
-from ..cluster import NodeInfo, inventory_from_dashboard
+from ..api.ray_head import inventory_from_dashboard
 from ..inputs.packages import PackageError, runtime_working_dir
+from ..job_dir import JOB_TOKEN, PLAN, SPEC
+from ..plan.inventory import NodeInfo
 from .guard import token_hash
 from .records import read_rank_records, read_spool, spool_path
 from .schema import CLAIMED, TERMINAL
@@ -199,17 +201,17 @@ class RayJobRunner:
         The job gets the stored spec and plan, and its own token in a private file."""
         job_dir = os.path.join(self.storage, job["id"])
         os.makedirs(job_dir, exist_ok=True)
-        files = {"spec.json": job["spec"], "plan.json": job["plan"]}
+        files = {SPEC: job["spec"], PLAN: job["plan"]}
         for name, data in files.items():
             with open(os.path.join(job_dir, name), "w") as fh:
                 json.dump(data, fh)
-        token_file = os.path.join(job_dir, "job_token")
+        token_file = os.path.join(job_dir, JOB_TOKEN)
         fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(token)
         return shlex.join([
-            *ENTRYPOINT, "--spec", os.path.join(job_dir, "spec.json"),
-            "--plan", os.path.join(job_dir, "plan.json"), "--storage", self.storage,
+            *ENTRYPOINT, "--spec", os.path.join(job_dir, SPEC),
+            "--plan", os.path.join(job_dir, PLAN), "--storage", self.storage,
             "--data-root", self.data_root, "--job-id", job["id"],
             "--metrics-url", f"{self.service_url}/v1/jobs/{job['id']}/metrics",
             "--plan-url", f"{self.service_url}/v1/jobs/{job['id']}/plan",
@@ -221,8 +223,8 @@ class RayJobRunner:
         job_dir = os.path.join(self.storage, job["id"])
         submission = f"{job['id']}-export-{secrets.token_hex(4)}"
         command = shlex.join([
-            *ENTRYPOINT, "--spec", os.path.join(job_dir, "spec.json"),
-            "--plan", os.path.join(job_dir, "plan.json"), "--storage", self.storage,
+            *ENTRYPOINT, "--spec", os.path.join(job_dir, SPEC),
+            "--plan", os.path.join(job_dir, PLAN), "--storage", self.storage,
             "--data-root", self.data_root, "--job-id", job["id"], "--export-only"])
         self.client.submit_job(entrypoint=command, submission_id=submission,
                                runtime_env=self.runtime_env(job))

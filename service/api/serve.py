@@ -81,7 +81,7 @@ def _arguments(argv):
 
 def stop_ray() -> int:
     """``--stop-ray``: the recorded head's processes end; others' Ray is left alone."""
-    from ..cluster import STATE_FILE, stop_recorded
+    from ..api.ray_head import STATE_FILE, stop_recorded
     from .settings import Settings
 
     storage = Settings().storage

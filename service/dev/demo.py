@@ -20,9 +20,9 @@ import sys
 import time
 
 from .. import cli
+from ..api.ray_head import free_port, stop_recorded
 from ..api.serve import wait_healthy
 from ..cli.output import setup_logging
-from ..cluster import free_port, stop_recorded
 
 log = logging.getLogger("service.dev.demo")
 

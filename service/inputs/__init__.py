@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import stat
 
+from ..job_dir import CHECKPOINTS, STEP_DIR
 from ..models.source import ModelSource
 from ..spec import MAX_DATA_BYTES, JobSpec, SpecError
 from ..spec.model import builtin_config
@@ -25,7 +25,6 @@ from .sinks import check_sink_packages
 BYTE_VOCAB = 256  # the built-in corpus and text files are read as bytes
 META_FILE = "meta.json"  # written by `dmuon-svc prepare` next to its shards
 MANIFEST = "dmuon_manifest.json"  # dmuon.checkpoint.MANIFEST: a committed checkpoint's
-STEP_DIR = re.compile(r"step_(\d+)")  # service.train.checkpoints names them step_NNNNNN
 
 
 def _under_root(root: str, relative: str, field: str) -> str:
@@ -199,11 +198,11 @@ def resolve_resume(spec: JobSpec, data_root: str, storage: str | None) -> str | 
     if "/" not in value:  # a job id (the spec allows no other form without a '/')
         if storage is None or not os.path.isdir(os.path.join(storage, value)):
             raise SpecError(f"checkpoint.resume_from: no job {value!r} in the storage root")
-        found = newest_checkpoint(os.path.join(storage, value, "dcp"))
+        found = newest_checkpoint(os.path.join(storage, value, CHECKPOINTS))
     else:
         path = _resume_path(value, data_root, storage)
         found = path if os.path.isfile(os.path.join(path, MANIFEST)) else \
-            newest_checkpoint(path) or newest_checkpoint(os.path.join(path, "dcp"))
+            newest_checkpoint(path) or newest_checkpoint(os.path.join(path, CHECKPOINTS))
     if found is None:
         raise SpecError(f"checkpoint.resume_from: {value!r} holds no committed checkpoint")
     step = STEP_DIR.fullmatch(os.path.basename(found))

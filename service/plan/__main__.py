@@ -7,8 +7,8 @@ import argparse
 
 import torch
 
-from ..cluster import synthetic_inventory
 from ..models.dtypes import DTYPES
+from ..plan.inventory import synthetic_inventory
 from ..spec import parse_spec
 from ..spec.recipe import DMuonSpec
 from .modes import DEFAULT_GPU_GB, GB

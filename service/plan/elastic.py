@@ -8,8 +8,8 @@ takes the smallest T whose range runs."""
 
 from __future__ import annotations
 
-from ..cluster import NodeInfo
 from ..models.source import ModelSource
+from ..plan.inventory import NodeInfo
 from ..spec import JobSpec, SpecError
 from .document import ElasticLayout, Inventory, Layout, PlanDocument
 from .layout import PlacementError, batch_split, slots, spec_tp

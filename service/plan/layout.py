@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 
-from ..cluster import NodeInfo
+from ..plan.inventory import NodeInfo
 from ..spec import JobSpec
 from .document import Layout
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 
-from ..cluster import NodeInfo, synthetic_inventory
+from ..plan.inventory import NodeInfo, synthetic_inventory
 from ..spec import JobSpec, SpecError
 from .document import Inventory, PlanDocument
 from .elastic import elastic_document

@@ -19,9 +19,9 @@ import torch
 import dmuon
 from dmuon import planning
 
-from ..cluster import NodeInfo
 from ..models.dtypes import DTYPES
 from ..models.source import BUILTIN, ModelSource
+from ..plan.inventory import NodeInfo
 from ..spec import JobSpec, SpecError
 from .document import Layout, RankPrediction
 from .layout import (

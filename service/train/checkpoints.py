@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 import dmuon
 
+from ..job_dir import STEP_DIR, step_dir
 from ..spec import JobSpec
 
 
@@ -23,7 +24,7 @@ def committed(root: str | None) -> list[str]:
     """Complete checkpoints under ``root``, oldest first (``save`` commits by rename)."""
     if not root or not os.path.isdir(root):
         return []
-    done = sorted(d for d in os.listdir(root) if d.startswith("step_") and "." not in d
+    done = sorted(d for d in os.listdir(root) if STEP_DIR.fullmatch(d)
                   and os.path.isfile(os.path.join(root, d, dmuon.checkpoint.MANIFEST)))
     return [os.path.join(root, d) for d in done]
 
@@ -36,7 +37,7 @@ def latest_committed(root: str | None) -> str | None:
 def save(spec: JobSpec, root: str, step: int, model, opt) -> str:
     """Save ``step`` and drop all but the newest ``keep_last`` (rank 0 deletes, after
     every rank has finished writing)."""
-    path = os.path.join(root, f"step_{step:06d}")
+    path = os.path.join(root, step_dir(step))
     dmuon.checkpoint.save(path, model, opt, extra={"step": step})
     keep = spec.checkpoint.keep_last
     dist.barrier()

@@ -49,6 +49,7 @@ if not os.environ.get("RAY_ADDRESS"):
 # that cannot run is refused in a second, not after the imports
 from .. import failure  # noqa: E402
 from ..inputs import resolve_inputs  # noqa: E402
+from ..job_dir import CHECKPOINTS, EXPORT, PLAN  # noqa: E402
 from ..plan.document import PlanDocument  # noqa: E402
 from ..spec import SpecError, load_spec  # noqa: E402
 from . import register  # noqa: E402
@@ -115,11 +116,11 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
-    from ..cluster import inventory_from_ray
     from ..plan.document import Layout
     from ..plan.layout import check_fits
     from ..plan.make import elastic_plan, placement_document
     from ..plan.predict import predict
+    from ..train.ray_inventory import inventory_from_ray
 
     nodes = inventory_from_ray()
     if plan is None or (plan.elastic is not None and not plan.complete):
@@ -163,13 +164,13 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     stored = plan
     plan = plan_to_run(spec, plan, inputs["model"])
     os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "plan.json"), "w") as fh:  # what the workers run
+    with open(os.path.join(job_dir, PLAN), "w") as fh:  # what the workers run
         fh.write(plan.model_dump_json())
     if plan_url and plan is not stored:  # completed here: the control plane stores it
         send(plan_url, plan.model_dump(mode="json"), token, method="put")
     config = {"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-              "checkpoint_dir": os.path.join(job_dir, "dcp"),
-              "export_dir": os.path.join(job_dir, "export"), "inputs": inputs,
+              "checkpoint_dir": os.path.join(job_dir, CHECKPOINTS),
+              "export_dir": os.path.join(job_dir, EXPORT), "inputs": inputs,
               "return_params": return_params, "export_only": export_only,
               "failure_file": failure_file, "job_dir": None if export_only else job_dir}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)

@@ -10,8 +10,8 @@ import math
 import os
 import time
 
-LAYOUTS_FILE = "layouts.jsonl"
-SPOOL_FILE = "metrics.jsonl"
+from ..job_dir import LAYOUTS as LAYOUTS_FILE
+from ..job_dir import METRICS as SPOOL_FILE
 
 
 def last_step(spool: str) -> int | None:

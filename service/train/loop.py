@@ -6,6 +6,7 @@ clipping, the optimizer step, validation, checkpoints, and at the end the export
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import torch
@@ -256,14 +257,22 @@ def export_model(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str) -
                   write_config=config_writer(spec, source, model))
 
 
+def _quiet_reports() -> None:
+    """Ray Train (2.60) logs each ``ray.train.report`` with its whole metrics
+    dict at INFO, from a logger named by its file's path, which ``LoggingConfig``'s level
+    (for the ``ray.train`` loggers) does not reach: that logger alone gets WARNING. The
+    controller's ``step_line`` says the same once per step."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
 def train_loop_per_worker(config: dict) -> None:
     """A worker's whole run. Its first exception is described (type, message, rank,
     step, frames) in the job's failure file, first writer wins, then re-raised."""
     import ray.train
 
-    from .reports import quiet_worker_reports
-
-    quiet_worker_reports()
+    _quiet_reports()
     progress: dict = {"phase": "setup", "step": None}
     try:
         _worker(config, progress)

@@ -13,8 +13,7 @@ from __future__ import annotations
 import json
 import os
 
-# the control plane reads it by the same name (service.api.records.RANK_RECORDS)
-RANK_RECORDS = "rank_records"
+from ..job_dir import RANK_RECORDS
 
 
 def keep_record(job_dir: str | None, record: dict) -> None:

@@ -4,12 +4,13 @@ readable line per step to stdout, and the records to the control plane."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import sys
 
 from ray.train.v2.api.callback import UserCallback
+
+from ..job_dir import METRICS
 
 
 def _number(value, digits: int = 4) -> str:
@@ -41,16 +42,6 @@ def step_line(records: list[dict]) -> str:
     return "  ".join(parts)
 
 
-def quiet_worker_reports() -> None:
-    """On a worker: Ray Train (2.60) logs each ``ray.train.report`` with its whole metrics
-    dict at INFO, from a logger named by its file's path, which ``LoggingConfig``'s level
-    (for the ``ray.train`` loggers) does not reach: that logger alone gets WARNING. The
-    controller's ``step_line`` says the same once per step."""
-    from ray.train.v2._internal.execution import context
-
-    logging.getLogger(context.__file__).setLevel(logging.WARNING)
-
-
 class MetricsCallback(UserCallback):
     """On the Ray Train controller: one JSONL record per (step, rank) in
     ``<dir>/metrics.jsonl`` (durable: written first), one line per step on stdout
@@ -60,7 +51,7 @@ class MetricsCallback(UserCallback):
                  token: str | None = None):
         self.job_id, self.post_url, self.token = job_id, post_url, token
         os.makedirs(out_dir, exist_ok=True)
-        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.path = os.path.join(out_dir, METRICS)
         self.failed_posts = 0  # in a row: reported once, and once more when they work again
 
     def after_report(self, run_context, metrics, checkpoint):

@@ -15,7 +15,8 @@ import sys
 import time
 import uuid
 
-TENSORBOARD_DIR = "tensorboard"
+from ..job_dir import TENSORBOARD as TENSORBOARD_DIR
+
 WANDB_DIR = "wandb"  # W&B writes <job>/wandb/{run,offline-run}-<time>-<id>/
 PARAM_VALUE_LENGTH = 6000  # MLflow's limit on a param's value
 PARAM_KEY = re.compile(r"[^\w./ :-]")  # what MLflow refuses in a param's name

@@ -78,7 +78,7 @@ def test_the_scans_find_what_they_look_for(tmp_path):
     helper, inside a function, and by import_module; a third-party import in a package."""
     (tmp_path / "_helper.py").write_text("def f():\n    from service.train import models\n")
     (tmp_path / "test_x.py").write_text(
-        "import os\nfrom _helper import f\n\n\ndef test():\n    import service.cluster\n"
+        "import os\nfrom _helper import f\n\n\ndef test():\n    import service.api.ray_head\n"
         "    __import__('importlib').import_module('service.cli')\n")
     hits = service_imports([tmp_path / "test_x.py"], [tmp_path])
     assert len(hits) == 3, hits

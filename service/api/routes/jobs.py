@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ...inputs import resolve_inputs, resolve_model
 from ...inputs.packages import PackageError, runtime_working_dir
+from ...job_dir import EXPORT
 from ...models.params import ParamRuleError
 from ...plan.document import Layout, PlanDocument
 from ...plan.layout import PlacementError
@@ -233,7 +234,7 @@ def export(job_id: JobId, request: Request):
         raise HTTPException(503, "no Ray cluster attached")
     try:
         return {"submission_id": state.runner.submit_export(job),
-                "path": os.path.join(state.settings.storage, job_id, "export")}
+                "path": os.path.join(state.settings.storage, job_id, EXPORT)}
     except PackageError as e:
         raise HTTPException(422, [{"field": "spec.working_dir", "message": str(e)}]) from None
 
@@ -243,7 +244,7 @@ def exported(job_id: JobId, request: Request, submission_id: str | None = None):
     """The export directory's files (empty until written), and an export job's status."""
     state = request.app.state
     _job_or_404(state.store, job_id)
-    path = os.path.join(state.settings.storage, job_id, "export")
+    path = os.path.join(state.settings.storage, job_id, EXPORT)
     files = sorted(os.listdir(path)) if os.path.isdir(path) else []
     status = None
     if submission_id is not None and state.runner is not None:

@@ -1,6 +1,6 @@
-"""The cluster a job runs on: its inventory (alive nodes and their logical resources, from
-Ray, from Ray's dashboard, or synthetic for planning), and the Ray head on 127.0.0.1 that
-the control plane starts when ``RAY_ADDRESS`` is unset.
+"""The control plane's side of Ray: the Ray head on 127.0.0.1 that it starts when
+``RAY_ADDRESS`` is unset, and the cluster's inventory read through Ray's dashboard (the
+control plane is not a Ray driver).
 
 The head runs as a separate ``ray start --head --block`` process in its own session, so it
 outlives the service: a restarted (even SIGKILLed) service finds it through
@@ -22,34 +22,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
+
+from ..plan.inventory import NodeInfo
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 STATE_FILE = "ray_head.json"
 TEMP_PREFIX = "dmuon-ray-"  # a head's own temp dir; stop() removes only these
-
-
-@dataclass(frozen=True)
-class NodeInfo:
-    node_id: str
-    ip: str
-    cpus: float
-    gpus: float
-    resources: dict = field(default_factory=dict)
-
-
-def inventory_from_ray() -> list[NodeInfo]:
-    """The alive nodes of the connected Ray cluster with their logical resources."""
-    import ray
-
-    nodes = []
-    for n in ray.nodes():
-        if not n.get("Alive"):
-            continue
-        res = n.get("Resources", {})
-        nodes.append(NodeInfo(n["NodeID"], n["NodeManagerAddress"], res.get("CPU", 0),
-                              res.get("GPU", 0), dict(res)))
-    return nodes
 
 
 def inventory_from_dashboard(address: str, timeout_s: float = 5) -> list[NodeInfo]:
@@ -62,11 +41,6 @@ def inventory_from_dashboard(address: str, timeout_s: float = 5) -> list[NodeInf
             for n in list_nodes(address=address, detail=True, timeout=int(timeout_s),
                                 raise_on_missing_output=False)
             if n.state == "ALIVE"]
-
-
-def synthetic_inventory(nodes: int, gpus_per_node: int, cpus_per_node: int = 64):
-    return [NodeInfo(f"node{i}", f"10.0.0.{i}", cpus_per_node, gpus_per_node)
-            for i in range(nodes)]
 
 
 def free_port() -> int:
