@@ -20,7 +20,7 @@ import time
 from .. import failure
 from ..api.ray_head import inventory_from_dashboard
 from ..inputs.packages import PackageError, runtime_working_dir
-from ..job_dir import JOB_TOKEN, PLAN, SPEC
+from ..job_dir import FAILURE, JOB_TOKEN, PLAN, SPEC
 from ..plan.inventory import NodeInfo
 from .guard import token_hash
 from .records import read_rank_records, read_spool, spool_path
@@ -154,7 +154,7 @@ class RayJobRunner:
         """What the job's first failing rank (or its entrypoint) wrote: type, message,
         rank, step, frames; None when nothing did (the entrypoint never ran)."""
         return failure.sanitized(failure.read_reason(
-            os.path.join(self.storage, job_id, failure.FAILURE_FILE)))
+            os.path.join(self.storage, job_id, FAILURE)))
 
     def _unknown_to_ray(self, job: dict) -> None:
         if job["ray"] != CLAIMED:

@@ -49,7 +49,7 @@ if not os.environ.get("RAY_ADDRESS"):
 # that cannot run is refused in a second, not after the imports
 from .. import failure  # noqa: E402
 from ..inputs import resolve_inputs  # noqa: E402
-from ..job_dir import CHECKPOINTS, EXPORT, PLAN  # noqa: E402
+from ..job_dir import CHECKPOINTS, EXPORT, EXPORT_FAILURE, FAILURE, PLAN  # noqa: E402
 from ..plan.document import PlanDocument  # noqa: E402
 from ..spec import SpecError, load_spec  # noqa: E402
 from . import register  # noqa: E402
@@ -214,7 +214,7 @@ def _elastic_controls(elastic, plan: PlanDocument, failure_file: str) -> list:
 
 
 def failure_path(storage: str, job_id: str, export_only: bool = False) -> str:
-    name = failure.EXPORT_FAILURE_FILE if export_only else failure.FAILURE_FILE
+    name = EXPORT_FAILURE if export_only else FAILURE
     return os.path.join(os.path.abspath(storage), job_id, name)
 
 
