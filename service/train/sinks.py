@@ -150,9 +150,15 @@ class WandbSink:
         pass
 
     def close(self, status: str = "FINISHED") -> None:
+        """Finish the run, then end W&B's service process while it still answers: left
+        to W&B's atexit hook, a stopped job's controller exits after the job's SIGTERM
+        has reached that process, and the hook logs a ConnectionResetError traceback."""
         if not self.closed:
+            import wandb
+
             self.closed = True
             self.run.finish(exit_code=EXIT_CODES[status])
+            wandb.teardown(EXIT_CODES[status])
 
 
 def sinks_for(metrics, job_dir: str, spec: dict) -> list:
