@@ -41,7 +41,7 @@ from . import comm
 TAU = 100.0  # Kimi K2 technical report, section 2.1
 WEIGHTS_ATTR = "qk_clip_weights"
 _MAX_ATTR = "_dmuon_max_logits"  # present (None or the running max) while tracked
-_CHUNK = 1024  # query tokens per slab of logits, to bound the memory of long sequences
+_SLAB = 2 ** 26  # logits per slab of query tokens (256 MB in fp32): long sequences fit
 
 
 def is_tracking(attention) -> bool:
@@ -61,8 +61,9 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
     grouped = q.to(work).reshape(b, hkv, hq // hkv, t, d)
     k = k.to(work)
     out = torch.full((hkv, hq // hkv), -math.inf, dtype=work, device=q.device)
-    for start in range(0, t, _CHUNK):
-        logits = torch.einsum("bgrtd,bgsd->bgrts", grouped[:, :, :, start:start + _CHUNK], k)
+    per_slab = max(1, _SLAB // (b * hq * s))
+    for start in range(0, t, per_slab):
+        logits = torch.einsum("bgrtd,bgsd->bgrts", grouped[:, :, :, start:start + per_slab], k)
         if causal:
             rows = torch.arange(start, start + logits.shape[-2], device=q.device)
             later = torch.arange(s, device=q.device)[None, :] > rows[:, None]
@@ -101,6 +102,17 @@ def _scale_heads(master: torch.Tensor, head_scale: torch.Tensor) -> None:
         head_scale.to(master.dtype)[:, None, None])
 
 
+def _projection(module, name: str, path: str) -> torch.Tensor:
+    """``module``'s weight at ``path``; refused where TP splits it on columns (its heads'
+    logits would be partial sums on each TP rank)."""
+    weight = module.get_parameter(path)
+    if any(getattr(p, "dim", 0) == 1 for p in getattr(weight, "placements", ())):
+        raise ValueError(f"dmuon.Muon(qk_clip=...): '{name}.{path}' is split on its "
+                         "columns (rowwise TP); QK-clip needs whole heads per TP rank "
+                         "(colwise q/k)")
+    return weight
+
+
 def _check_tau(tau) -> float:
     if tau is True:
         return TAU
@@ -124,7 +136,7 @@ class QKClip:
             paths = getattr(module, WEIGHTS_ATTR, None)
             if paths is None:
                 continue
-            q, k = (module.get_parameter(path) for path in paths)
+            q, k = (_projection(module, name, path) for path in paths)
             self.attention.append((name, module, masters.get(id(q)), masters.get(id(k))))
             setattr(module, _MAX_ATTR, None)
         if not self.attention:

@@ -139,8 +139,20 @@ def _model_on(layout: str):
     return model, opt, dp, R * N
 
 
+def _refusals(model) -> list[str]:
+    """What ``dmuon.Muon`` says to a tau that is not one."""
+    said = []
+    for tau in (0, -1.0, float("nan"), "100"):
+        try:
+            dmuon.Muon(model, qk_clip=tau)
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
 def _train(rank, world, layout):
     model, opt, dp, dp_size = _model_on(layout)
+    refusals = _refusals(model)
     micro = LAYOUTS[layout][1]
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     record = []
@@ -156,7 +168,8 @@ def _train(rank, world, layout):
         group["lr"] = 0.0
     loss_of(model, local_rows(global_batches(STEPS + 1)[-1], dp, dp_size)).backward()
     opt.step()
-    return trained, record, (opt.max_logit, opt.clipped_heads), dmuon.full_state_dict(model)
+    last = (opt.max_logit, opt.clipped_heads)
+    return trained, record, last, dmuon.full_state_dict(model), refusals
 
 
 @functools.cache
@@ -192,7 +205,7 @@ def test_clipped_heads_end_at_tau(layout):
     heads over tau end at tau and every other head is where it was."""
     results = trained(layout)
     tp = LAYOUTS[layout][0][2]
-    before, _, _, after = results[0]
+    before, _, _, after, _ = results[0]
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     model.load_state_dict(before)
     inputs = _keep_attention_inputs(model)
@@ -217,3 +230,25 @@ def test_without_qk_clip_the_reference_ends_elsewhere():
     plain, _ = reference_run(STEPS)
     ref, _ = reference()
     assert max((plain[k] - ref[k]).abs().max().item() for k in ref) > 1e-4
+
+
+def test_a_tau_that_is_not_one_is_refused_by_name():
+    refusals = trained("z3")[0][4]
+    assert len(refusals) == 4 and all("qk_clip must be tau > 0" in r for r in refusals)
+
+
+@pytest.mark.parametrize("slab", [2 ** 26, 50])
+def test_max_logits_in_slabs_match_the_whole_causal_matrix(monkeypatch, slab):
+    """Cut into slabs of a few query tokens or not, the per-head maxima are those of
+    the whole causal logit matrix (GQA: 6 query heads over 2 key heads)."""
+    monkeypatch.setattr(dmuon.qk_clip, "_SLAB", slab)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 6, 9, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=g)
+    # a large logit on a masked pair (query 0, key 8) must not count
+    q[:, :, 0], k[:, :, 8] = 10.0, 10.0
+    logits = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) / math.sqrt(8)
+    logits = logits.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -math.inf)
+    expected = logits.amax(dim=(0, 2, 3))
+    assert torch.allclose(dmuon.qk_clip.max_logits(q, k), expected, rtol=1e-14, atol=0)
+    assert expected.max() < 10.0 * 10.0 * 8 / math.sqrt(8)
