@@ -282,7 +282,7 @@ class Muon(torch.optim.Optimizer):
         logits reduced over the data-parallel groups (under TP each rank holds its own
         heads), the owned q/k rows of heads over tau scaled."""
         groups = [(g, d) for g, d in self._state.reduce._agreement_groups() if d != "tp"]
-        self._qk_clip.clip(groups, self.ledger, skip)
+        self._qk_clip.clip(groups, self.ledger, skip, tp_group=self._state.ctx.tp_group)
         self.max_logit, self.clipped_heads = self._qk_clip.max_logit, \
             self._qk_clip.clipped_heads
 

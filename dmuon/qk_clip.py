@@ -156,18 +156,18 @@ class QKClip:
             setattr(module, _MAX_ATTR, None)
         return maxima
 
-    def clip(self, groups, ledger, skip: bool) -> None:
+    def clip(self, groups, ledger, skip: bool, tp_group=None) -> None:
         """After the update, before the post-step broadcast: every rank calls it (a
-        skipped step, agreed on every rank, clips nothing and sends nothing)."""
+        skipped step, agreed on every rank, clips nothing and sends nothing).
+        ``groups``: the data-parallel ``(group, dim)`` the maxima are reduced over."""
         maxima = self._step_maxima()
+        self.max_logit, self.clipped_heads = None, 0
         if skip:
-            self.max_logit, self.clipped_heads = None, 0
             return
         flat = torch.cat(maxima)
         for group, dim in groups:
             comm.wait(comm.all_reduce_max(flat, group, ledger, dim, "step"))
-        self.max_logit = flat.max().item()
-        self.clipped_heads = int((flat > self.tau).sum().item())
+        self._record(flat, tp_group, ledger)
         for (_, module, q, k), part in zip(self.attention, flat.split([m.numel()
                                                                     for m in maxima])):
             if (q is None and k is None) or not bool((part > self.tau).any()):
@@ -178,3 +178,13 @@ class QKClip:
                 _scale_heads(q, q_scale)
             if k is not None:
                 _scale_heads(k, k_scale)
+
+    def _record(self, flat: torch.Tensor, tp_group, ledger) -> None:
+        """The step's largest max logit and heads clipped, the TP peers' heads counted
+        too (two one-value all-reduces over TP), so every rank records the same."""
+        top = flat.max().reshape(1)
+        count = (flat > self.tau).sum().reshape(1).to(flat.dtype)
+        if tp_group is not None:
+            comm.wait(comm.all_reduce_max(top, tp_group, ledger, "tp", "step"))
+            comm.wait(comm.all_reduce_sum(count, tp_group, ledger, "tp", "step"))
+        self.max_logit, self.clipped_heads = top.item(), int(count.item())

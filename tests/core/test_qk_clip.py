@@ -186,16 +186,15 @@ def test_the_reference_clips_at_most_steps():
 def test_qk_clip_matches_the_float64_reference(layout):
     ref, ref_record = reference()
     results = trained(layout)
-    tp = LAYOUTS[layout][0][2]
     for rank, (full, *_) in enumerate(results):
         for key, value in ref.items():
             err = ((full[key] - value).abs().max() / value.abs().max()).item()
             assert err <= 1e-9, (layout, rank, key, err)
-    for step, (max_logit, clipped) in enumerate(ref_record):
-        # under TP a rank records its own heads: the TP peers together make the whole
-        peers = [results[r][1][step] for r in range(tp)]
-        assert abs(max(m for m, _ in peers) - max_logit) <= RTOL * max_logit, (layout, step)
-        assert sum(c for _, c in peers) == clipped, (layout, step, peers, clipped)
+    for rank, (_, record, *_) in enumerate(results):  # TP peers' heads counted together
+        for step, ((max_logit, clipped), (got, got_clipped)) in enumerate(zip(ref_record,
+                                                                             record)):
+            assert abs(got - max_logit) <= RTOL * max_logit, (layout, rank, step)
+            assert got_clipped == clipped, (layout, rank, step, got_clipped, clipped)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -204,7 +203,6 @@ def test_clipped_heads_end_at_tau(layout):
     """A step at lr 0 moves nothing but the clip: on that step's attention inputs, the
     heads over tau end at tau and every other head is where it was."""
     results = trained(layout)
-    tp = LAYOUTS[layout][0][2]
     before, _, _, after, _ = results[0]
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     model.load_state_dict(before)
@@ -215,9 +213,9 @@ def test_clipped_heads_end_at_tau(layout):
     now = step_maxima(model, inputs)
     clipped = [(i, h) for i, m in enumerate(measured) for h, s in enumerate(m) if s > TAU]
     assert clipped, measured
-    peers = [results[r][2] for r in range(tp)]
-    assert sum(c for _, c in peers) == len(clipped), (peers, clipped)
-    assert max(m for m, _ in peers) == pytest.approx(max(max(m) for m in measured), rel=RTOL)
+    for _, _, (max_logit, count), _, _ in results:
+        assert count == len(clipped), (count, clipped)
+        assert max_logit == pytest.approx(max(max(m) for m in measured), rel=RTOL)
     for i, m in enumerate(measured):
         for h, s in enumerate(m):
             assert now[i][h] == pytest.approx(min(s, TAU), rel=RTOL), (layout, i, h, s)
