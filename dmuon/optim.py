@@ -210,8 +210,10 @@ class Muon(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, and every gradient DMuon holds for the
-        step (local, on the wire or landed) dropped with it."""
+        step (local, on the wire or landed) dropped with it (and QK-clip's max logits)."""
         self._state.discard_gradients(set_to_none)
+        if self._qk_clip is not None:
+            self._qk_clip.discard()
         super().zero_grad(set_to_none)
 
     @property

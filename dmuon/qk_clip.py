@@ -25,7 +25,8 @@ ordered head by head, query head h in key group ``h // (H_q / H_kv)``) and calli
 ``record_max_logits(self, q, k)`` in its forward with q and k as softmax sees them
 (after RoPE, ``[batch, heads, tokens, head_dim]``, k before any GQA repeat). The maxima
 are rank-local and kept as a running max over the step's micro-batches, so a forward
-recomputed under activation checkpointing records nothing new. Under TP each rank
+recomputed under activation checkpointing records nothing new; forwards without grad
+(evaluation) are not recorded, and ``zero_grad`` drops the maxima with the gradients. Under TP each rank
 records its own (colwise) heads; the maxima are reduced with MAX over the data-parallel
 groups only.
 """
@@ -75,8 +76,10 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
 def record_max_logits(attention, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
                       scale: float | None = None) -> None:
     """Called by an attention module's forward: folds this forward's per-head max logits
-    into the step's running max (a no-op unless tracked; no autograd graph)."""
-    if not is_tracking(attention):
+    into the step's running max (no autograd graph). A no-op unless tracked, and for a
+    forward without grad (an evaluation; reentrant checkpointing's first pass, whose
+    recompute records the same values)."""
+    if not (is_tracking(attention) and torch.is_grad_enabled()):
         return
     with torch.no_grad():
         now = max_logits(q.detach(), k.detach(), causal=causal, scale=scale)
@@ -144,6 +147,11 @@ class QKClip:
                              f"q/k projections in `{WEIGHTS_ATTR}` (see dmuon.qk_clip)")
         self.max_logit, self.clipped_heads = None, 0
 
+    def discard(self) -> None:
+        """``zero_grad``: the forwards of the dropped gradients no longer count."""
+        for _, module, _, _ in self.attention:
+            setattr(module, _MAX_ATTR, None)
+
     def _step_maxima(self) -> list[torch.Tensor]:
         maxima = []
         for name, module, _, _ in self.attention:
@@ -160,17 +168,19 @@ class QKClip:
         """After the update, before the post-step broadcast: every rank calls it (a
         skipped step, agreed on every rank, clips nothing and sends nothing).
         ``groups``: the data-parallel ``(group, dim)`` the maxima are reduced over."""
-        maxima = self._step_maxima()
         self.max_logit, self.clipped_heads = None, 0
         if skip:
+            self.discard()
             return
+        maxima = self._step_maxima()
         flat = torch.cat(maxima)
         for group, dim in groups:
             comm.wait(comm.all_reduce_max(flat, group, ledger, dim, "step"))
         self._record(flat, tp_group, ledger)
-        for (_, module, q, k), part in zip(self.attention, flat.split([m.numel()
-                                                                    for m in maxima])):
-            if (q is None and k is None) or not bool((part > self.tau).any()):
+        parts = flat.split([m.numel() for m in maxima])
+        over = torch.stack([(part > self.tau).any() for part in parts]).tolist()  # 1 sync
+        for (_, module, q, k), part, clipped in zip(self.attention, parts, over):
+            if not clipped or (q is None and k is None):
                 continue
             kv_heads = module._dmuon_kv_heads
             q_scale, k_scale = scales(part, kv_heads, self.tau)

@@ -3,8 +3,9 @@ written here: torch.optim.Muon + AdamW (tests/_train.py), then the Kimi K2 repor
 per-head rule with this project's GQA split, applied in plain loops to max logits the
 test computes itself (the full causal logit matrix of each attention's input, measured
 in the step's forward). 4 gloo ranks, 10 steps, on Z3 1 x 4 (two micro-batches: the
-running max), HSDP 2 x 2 under activation checkpointing (a recomputed forward must not
-change the maxima) and TP 1 x 2 x 2 (each TP rank its own heads); then a step at lr 0,
+running max), HSDP 2 x 2 under non-reentrant activation checkpointing (a recomputed
+forward must not change the maxima) and TP 1 x 2 x 2 under reentrant checkpointing
+(each TP rank its own heads; a first pass without grad); then a step at lr 0,
 after which the clipped heads' max logits, recomputed on that step's inputs, are tau."""
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def _tp_plan():
 
 
 LAYOUTS = {"z3": ((1, 4, 1), 2, None), "hsdp2x2": ((2, 2, 1), 1, "non_reentrant"),
-           "tp1x2x2": ((1, 2, 2), 1, None)}
+           "tp1x2x2": ((1, 2, 2), 1, "reentrant")}
 
 
 def _model_on(layout: str):
@@ -250,3 +251,21 @@ def test_max_logits_in_slabs_match_the_whole_causal_matrix(monkeypatch, slab):
     expected = logits.amax(dim=(0, 2, 3))
     assert torch.allclose(dmuon.qk_clip.max_logits(q, k), expected, rtol=1e-14, atol=0)
     assert expected.max() < 10.0 * 10.0 * 8 / math.sqrt(8)
+
+
+def test_only_forwards_with_grad_are_recorded_and_zero_grad_drops_them():
+    """An evaluation forward (no grad) records nothing; a training forward does."""
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    clip = dmuon.qk_clip.QKClip(model, TAU, {})
+    tokens = global_batches(1)[0][:, :-1]
+    with torch.no_grad():
+        model(tokens)
+    with pytest.raises(RuntimeError, match="'model.layers.0.self_attn' recorded no max"):
+        clip.clip([], None, skip=False)
+    model(tokens)
+    clip.discard()  # what zero_grad does
+    with pytest.raises(RuntimeError, match="recorded no max logits"):
+        clip.clip([], None, skip=False)
+    model(tokens)
+    clip.clip([], None, skip=False)  # no group: nothing sent; the record is this rank's
+    assert clip.max_logit > TAU and clip.clipped_heads > 0
