@@ -253,8 +253,9 @@ def test_max_logits_in_slabs_match_the_whole_causal_matrix(monkeypatch, slab):
     assert expected.max() < 10.0 * 10.0 * 8 / math.sqrt(8)
 
 
-def test_only_forwards_with_grad_are_recorded_and_zero_grad_drops_them():
-    """An evaluation forward (no grad) records nothing; a training forward does."""
+def test_only_forwards_with_grad_count_and_zero_grad_or_a_skip_drops_them():
+    """An evaluation forward (no grad) records nothing, a training forward does;
+    ``zero_grad`` and a skipped step drop what was recorded."""
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     clip = dmuon.qk_clip.QKClip(model, TAU, {})
     tokens = global_batches(1)[0][:, :-1]
@@ -264,6 +265,11 @@ def test_only_forwards_with_grad_are_recorded_and_zero_grad_drops_them():
         clip.clip([], None, skip=False)
     model(tokens)
     clip.discard()  # what zero_grad does
+    with pytest.raises(RuntimeError, match="recorded no max logits"):
+        clip.clip([], None, skip=False)
+    model(tokens)
+    clip.clip([], None, skip=True)  # a skipped step: no record, and its maxima dropped
+    assert (clip.max_logit, clip.clipped_heads) == (None, 0)
     with pytest.raises(RuntimeError, match="recorded no max logits"):
         clip.clip([], None, skip=False)
     model(tokens)
