@@ -26,9 +26,9 @@ ordered head by head, query head h in key group ``h // (H_q / H_kv)``) and calli
 (after RoPE, ``[batch, heads, tokens, head_dim]``, k before any GQA repeat). The maxima
 are rank-local and kept as a running max over the step's micro-batches, so a forward
 recomputed under activation checkpointing records nothing new; forwards without grad
-(evaluation) are not recorded, and ``zero_grad`` drops the maxima with the gradients. Under TP each rank
-records its own (colwise) heads; the maxima are reduced with MAX over the data-parallel
-groups only.
+(evaluation) are not recorded, and ``zero_grad`` drops the maxima with the gradients.
+Under TP each rank records its own (colwise) heads; the maxima are reduced with MAX over
+the data-parallel groups only.
 """
 
 from __future__ import annotations
