@@ -48,6 +48,9 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   ``checkpoint.get_state_dict/set_state_dict``: sharded DCP checkpoints that load on any
   layout; ``get/set_model_state_dict``, ``get/set_optimizer_state_dict``:
   torch.distributed.checkpoint.state_dict's, full or sharded (docs/migration.md).
+- ``qk_clip``: MuonClip's QK-clip, ``Muon(..., qk_clip=tau)``; an attention module
+  takes part by naming its q/k weights in ``qk_clip_weights`` and calling
+  ``qk_clip.record_max_logits(self, q, k)`` in its forward.
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
@@ -58,7 +61,7 @@ parallelism's public ``distribute_module`` so that TP applied after ``dedicate_p
 is refused by name.
 """
 
-from . import checkpoint, utils
+from . import checkpoint, qk_clip, utils
 from .comm import Ledger
 from .compose import (
     dedicate_params_ddp,
@@ -137,6 +140,7 @@ __all__ = [
     "no_sync",
     "ns_flops",
     "partition",
+    "qk_clip",
     "replicate",
     "set_model_state_dict",
     "set_optimizer_state_dict",

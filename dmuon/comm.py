@@ -164,6 +164,14 @@ def all_reduce_sum(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase:
     return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)
 
 
+def all_reduce_max(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str):
+    n = _size(group)
+    ledger.record("all_reduce", tensor.numel() * tensor.element_size(), n, dim, phase)
+    if n == 1:
+        return None
+    return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.MAX, async_op=True)
+
+
 class _Works:
     """Several async point collectives waited for as one; ``then`` runs after them."""
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from . import normuon
+from . import qk_clip as qk_clip_rule
 from .model_state import DMuonState, get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
 from .tp import tp_newton_schulz
@@ -131,7 +132,10 @@ class Muon(torch.optim.Optimizer):
     normalises each row of the orthogonalised update by its running second moment
     (``beta2``) and keeps the update's norm (``dmuon.normuon``); ``ns_backend="standard"``
     (or the reference's ``"direct"``)
-    is torch.optim.Muon's.
+    is torch.optim.Muon's. ``qk_clip=tau`` (``True``: 100) is MuonClip's QK-clip
+    (``dmuon.qk_clip``): after each step the q/k rows of attention heads whose max logit
+    went over tau are scaled down at their owners; ``max_logit`` and ``clipped_heads``
+    record the step's largest max logit and how many heads were clipped.
     """
 
     def __init__(
@@ -156,7 +160,7 @@ class Muon(torch.optim.Optimizer):
         adamw_weight_decay: float = 0.0,
         replicate_async: bool = True,
         param_groups: list[dict] | None = None,
-        skip_nonfinite: bool = True,
+        skip_nonfinite: bool = True, qk_clip: float | bool | None = None,
     ) -> None:
         muon_defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov,
                              weight_decay=weight_decay, ns_steps=ns_steps,
@@ -172,13 +176,13 @@ class Muon(torch.optim.Optimizer):
         self.replicate_async, self.skip_nonfinite = replicate_async, skip_nonfinite
         # steps skipped for a non-finite gradient; the last step's ranks (or ["fsdp2"])
         self.skipped_steps, self.nonfinite_ranks = 0, []
-        members = {m.fqn: m for b in self._state.boundaries for m in b.owned}
-        self._member_of = {id(t): members[fqn] for fqn, t in self._state.owned_params.items()}
+        self._member_of = _members_by_master(self._state)
         super().__init__(self._groups(user_groups, muon_defaults, adamw_defaults), {})
         # One source of truth: AdamW reads the group dicts and state this optimizer owns.
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
         self._adamw.state = self.state
         self._state.optimizer_attached = True
+        self._attach_qk_clip(qk_clip)
 
     def _groups(self, user_groups, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
         """Muon groups of this rank's masters, then AdamW groups as torch.optim.AdamW
@@ -206,8 +210,10 @@ class Muon(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """``torch.optim.Optimizer.zero_grad``, and every gradient DMuon holds for the
-        step (local, on the wire or landed) dropped with it."""
+        step (local, on the wire or landed) dropped with it (and QK-clip's max logits)."""
         self._state.discard_gradients(set_to_none)
+        if self._qk_clip is not None:
+            self._qk_clip.discard()
         super().zero_grad(set_to_none)
 
     @property
@@ -254,9 +260,33 @@ class Muon(torch.optim.Optimizer):
                 _apply(p, self._variant_update(p, ortho, group), group, full_shape)
             if any(g["params"] for g in self._adamw.param_groups):
                 self._adamw.step()
+        if self._qk_clip is not None:
+            self._clip_qk(skip)
         self._state.after_step(self.replicate_async)
         self._state.ledger.close_step()
         return loss
+
+    def _attach_qk_clip(self, tau) -> None:
+        """QK-clip over the dedicated model's attention modules (tau None: off), and its
+        record of the last step."""
+        self._qk_clip, self.max_logit, self.clipped_heads = None, None, 0
+        if tau is None or tau is False:
+            return
+        model = self._state.model()
+        if model is None:
+            raise ValueError("dmuon.Muon(qk_clip=...) needs the dedicated model")
+        masters = {id(self._member_of[id(t)].param): t
+                   for t in self._state.owned_params.values()}
+        self._qk_clip = qk_clip_rule.QKClip(model, tau, masters)
+
+    def _clip_qk(self, skip: bool) -> None:
+        """After the update, before the post-step broadcast carries the rows: the max
+        logits reduced over the data-parallel groups (under TP each rank holds its own
+        heads), the owned q/k rows of heads over tau scaled."""
+        groups = [(g, d) for g, d in self._state.reduce._agreement_groups() if d != "tp"]
+        self._qk_clip.clip(groups, self.ledger, skip, tp_group=self._state.ctx.tp_group)
+        self.max_logit, self.clipped_heads = self._qk_clip.max_logit, \
+            self._qk_clip.clipped_heads
 
     def _orthogonalised_updates(self) -> tuple[list, bool]:
         """Every owned matrix's orthogonalised update, computed as its gradient lands;
@@ -337,6 +367,12 @@ class Muon(torch.optim.Optimizer):
         sizes = [u.numel() // shape.numel() for _, u in entries]
         return [(p, part.view_as(p), group, p.shape)
                 for (p, _), part in zip(entries, ortho.split(sizes))]
+
+
+def _members_by_master(state: DMuonState) -> dict:
+    """``id(master)`` -> its partition member, for the matrices this rank owns."""
+    members = {m.fqn: m for b in state.boundaries for m in b.owned}
+    return {id(t): members[fqn] for fqn, t in state.owned_params.items()}
 
 
 def _group_kind(index: int, params) -> str:

@@ -96,6 +96,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Attention(nn.Module):
+    # QK-clip (dmuon.qk_clip): the projections whose head rows it scales
+    qk_clip_weights = ("q_proj.weight", "k_proj.weight")
+
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.head_dim = c.head_dim
@@ -111,12 +114,19 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        _report_max_logits(self, q, k)  # a no-op unless dmuon.Muon(qk_clip=...) wants them
         rep = q.shape[1] // k.shape[1]
         if rep > 1:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def _report_max_logits(attention: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Per-head max of the logits softmax sees (q . k / sqrt(head_dim), after RoPE, causal),
+    folded into the step's running max that ``dmuon.Muon(qk_clip=...)`` reads."""
+    dmuon.qk_clip.record_max_logits(attention, q, k)
 
 
 class MLP(nn.Module):

@@ -104,7 +104,8 @@ def test_dmuon_imports_nothing_of_the_service():
 
 
 # dmuon's public surface: the package's own names, and the modules made to be imported
-PUBLIC_DMUON = ("dmuon", "dmuon.planning", "dmuon.testing", "dmuon.checkpoint", "dmuon.utils")
+PUBLIC_DMUON = ("dmuon", "dmuon.planning", "dmuon.testing", "dmuon.checkpoint", "dmuon.utils",
+                "dmuon.qk_clip")
 
 
 def _dotted(node) -> str:

@@ -55,6 +55,8 @@ class StepRecord(BaseModel):
     tokens_per_s_total: Number = None  # every rank's tokens over this rank's step time
     mfu: Number = None  # model FLOPs utilisation against the spec's (or the GPU's) peak
     grad_norm: Number = None  # before clipping
+    max_logit: Number = None  # QK-clip: the step's largest max logit of any head
+    clipped_heads: Count | None = None  # QK-clip: heads whose q/k rows were scaled
     skipped: bool = False  # this step's update skipped: a gradient was not finite
     skipped_steps: Count = 0  # steps skipped so far in this run
     nonfinite_ranks: list[Count | Literal["fsdp2", "update"]] = Field(

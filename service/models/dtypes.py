@@ -17,4 +17,5 @@ def muon_kwargs(optimizer: OptimizerSpec) -> dict:
     options = optimizer.model_dump()
     for name in DTYPE_OPTIONS:
         options[name] = DTYPES[options[name]] if options[name] is not None else None
+    options["qk_clip"] = options["qk_clip"]["tau"] if options["qk_clip"] else None
     return options

@@ -46,6 +46,14 @@ NAME_LENGTH = 128
 _Strict = StrictModel
 
 
+class QKClipSpec(_Strict):
+    """MuonClip's QK-clip (Kimi K2 report, section 2; ``dmuon.qk_clip``): after each step
+    the q/k rows of attention heads whose max logit went over ``tau`` are scaled down."""
+
+    tau: float = Field(100.0, gt=0, le=1e9, description="the max logit a head may keep "
+                       "(the Kimi K2 report's 100)")
+
+
 class OptimizerSpec(_Strict):
     """Exactly ``dmuon.Muon``'s keyword options and defaults; dtypes by name."""
 
@@ -68,6 +76,8 @@ class OptimizerSpec(_Strict):
         "muon", description="normuon: each row of the update normalised by its running "
         "second moment, the update's norm kept (arXiv 2510.05491)")
     beta2: float = Field(0.95, ge=0, lt=1, description="NorMuon's second-moment decay")
+    qk_clip: QKClipSpec | None = Field(None, description="QK-clip: {tau: 100}; the "
+                                       "model's attention must report its max logits")
     adamw_lr: float = Field(1e-3, ge=0)
     adamw_betas: Betas = (0.9, 0.95)
     adamw_eps: float = Field(1e-8, gt=0)

@@ -48,6 +48,10 @@ def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: i
         "tokens_per_s_total": global_tokens / elapsed if elapsed else 0.0,
         "mfu": rate * flops_token / peak if peak else None,
         "lr": lr, "grad_norm": grad_norm,
+        # QK-clip's figures of the step (None without it): every rank holds the same
+        "max_logit": getattr(opt, "max_logit", None),
+        "clipped_heads": getattr(opt, "clipped_heads", None)
+        if getattr(opt, "max_logit", None) is not None else None,
         "bytes": {f"{dim}.{phase}": n for dim, phases in ledger.items()
                   for phase, n in phases.items()},
         "memory": dmuon.memory_report(model, opt),

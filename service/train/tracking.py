@@ -36,14 +36,15 @@ def step_scalars(records: list[dict]) -> dict[str, float]:
     ``loss/rank_R``; ``lr/GROUP`` and ``grad_norm`` (global figures, from the lowest
     rank); ``tokens_per_s_total`` (all ranks' tokens over the slowest rank's step time,
     the lowest of the ranks' figures) and ``step_time_s`` (the slowest rank's); ``mfu``
-    (mean) and ``val_loss`` and ``skipped_steps`` where the records carry them."""
+    (mean) and ``val_loss``, ``skipped_steps``, ``max_logit`` and ``clipped_heads`` where
+    the records carry them."""
     ranks = sorted(records, key=lambda r: r["rank"])
     first = ranks[0]
     losses = {r["rank"]: r["loss"] for r in ranks if r.get("loss") is not None}
     out = {"loss": fmean(losses.values())} if losses else {}
     out.update({f"loss/rank_{rank}": loss for rank, loss in losses.items()})
     out.update({f"lr/{group}": lr for group, lr in (first.get("lr") or {}).items()})
-    for key in ("grad_norm", "val_loss", "skipped_steps"):
+    for key in ("grad_norm", "val_loss", "skipped_steps", "max_logit", "clipped_heads"):
         if first.get(key) is not None:
             out[key] = first[key]
     if all(r.get("tokens_per_s_total") is not None for r in ranks):

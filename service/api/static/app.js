@@ -269,13 +269,18 @@ function drawSteps(job) {
   }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
   drawThroughput(steps, first);
   const lrKinds = [...new Set(steps.flatMap((s) => Object.keys(first(s, "lr") || {})))];
+  // QK-clip's largest max logit of the step, beside the gradient norm (jobs with qk_clip)
+  const maxLogit = steps.map((s) => first(s, "max_logit"));
+  const qkClip = maxLogit.some((v) => v != null) ? [{
+    type: "scatter", mode: "lines", name: "max logit", x: steps, yaxis: "y2", y: maxLogit,
+  }] : [];
   Plotly.react("lr-chart", [...lrKinds.map((kind) => ({
     type: "scatter", mode: "lines", name: `lr ${kind}`, x: steps,
     y: steps.map((s) => (first(s, "lr") || {})[kind] ?? null),
   })), {
     type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
     y: steps.map((s) => first(s, "grad_norm")),
-  }], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
+  }, ...qkClip], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
          yaxis2: RIGHT_AXIS }, CHART);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
