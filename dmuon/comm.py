@@ -156,20 +156,20 @@ def _size(group) -> int:
     return dist.get_world_size(group)
 
 
-def all_reduce_sum(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str):
+def _all_reduce(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str, op):
     n = _size(group)
     ledger.record("all_reduce", tensor.numel() * tensor.element_size(), n, dim, phase)
     if n == 1:
         return None
-    return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.SUM, async_op=True)
+    return dist.all_reduce(tensor, group=group, op=op, async_op=True)
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str):
+    return _all_reduce(tensor, group, ledger, dim, phase, dist.ReduceOp.SUM)
 
 
 def all_reduce_max(tensor: torch.Tensor, group, ledger: Ledger, dim: str, phase: str):
-    n = _size(group)
-    ledger.record("all_reduce", tensor.numel() * tensor.element_size(), n, dim, phase)
-    if n == 1:
-        return None
-    return dist.all_reduce(tensor, group=group, op=dist.ReduceOp.MAX, async_op=True)
+    return _all_reduce(tensor, group, ledger, dim, phase, dist.ReduceOp.MAX)
 
 
 class _Works:
