@@ -150,10 +150,11 @@ def test_ledger_bytes_per_step(mode, passes):
                 [("reduce_scatter_v", "shard", "reduce")] * layers
             fsdp = {c.numel for c in calls if c.op.startswith("all_gather")}
             assert fsdp <= fsdp_sizes, f"all-gather of non-FSDP2 sizes {fsdp - fsdp_sizes}"
-            # one small all-reduce per step: which units got a gradient on any rank, and
-            # which ranks' gradients were not finite (one flag each, one for FSDP2's)
+            # two small all-reduces per step: which units got a gradient on any rank and
+            # which ranks' gradients were not finite (one flag each, one for FSDP2's);
+            # then, after NS, whether any orthogonalised update was not finite
             assert [c.numel for c in calls if c.op == "all_reduce"] == \
-                [len(shapes) + WORLD + 1]
+                [len(shapes) + WORLD + 1, 1]
 
 
 def _fsdp_all_gather_sizes():
