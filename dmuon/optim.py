@@ -283,8 +283,8 @@ class Muon(torch.optim.Optimizer):
         """After the update, before the post-step broadcast carries the rows: the max
         logits reduced over the data-parallel groups (under TP each rank holds its own
         heads), the owned q/k rows of heads over tau scaled."""
-        groups = [(g, d) for g, d in self._state.reduce._agreement_groups() if d != "tp"]
-        self._qk_clip.clip(groups, self.ledger, skip, tp_group=self._state.ctx.tp_group)
+        self._qk_clip.clip(self._state.reduce.data_parallel_groups(), self.ledger, skip,
+                           tp_group=self._state.ctx.tp_group)
         self.max_logit, self.clipped_heads = self._qk_clip.max_logit, \
             self._qk_clip.clipped_heads
 

@@ -197,4 +197,5 @@ class QKClip:
         if tp_group is not None:
             comm.wait(comm.all_reduce_max(top, tp_group, ledger, "tp", "step"))
             comm.wait(comm.all_reduce_sum(count, tp_group, ledger, "tp", "step"))
-        self.max_logit, self.clipped_heads = top.item(), int(count.item())
+        top_value, count_value = torch.cat([top, count]).tolist()  # one host sync
+        self.max_logit, self.clipped_heads = top_value, int(count_value)

@@ -174,16 +174,19 @@ class GradientReduce:
         self._presence_work = comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim,
                                                   "step")
 
-    def _agreement_groups(self) -> list[tuple]:
-        """The groups whose sums, one after the other, reach every rank of the layout:
-        shard, then replicate and TP where they have peers."""
+    def data_parallel_groups(self) -> list[tuple]:
+        """``(group, dim)``: shard, then replicate where it has peers; reductions over
+        them, one after the other, reach every data-parallel rank."""
         ctx = self.ctx
         groups = [(ctx.shard_group, "shard")]
         if ctx.replicate_size > 1:
             groups.append((ctx.presence_group, "replicate"))
-        if ctx.tp_group is not None:
-            groups.append((ctx.tp_group, "tp"))
         return groups
+
+    def _agreement_groups(self) -> list[tuple]:
+        """The data-parallel groups and TP where it has peers: every rank of the layout."""
+        tp = self.ctx.tp_group
+        return self.data_parallel_groups() + ([(tp, "tp")] if tp is not None else [])
 
     def any_rank(self, flag: torch.Tensor) -> bool:
         """Whether ``flag`` (one float, nonzero: set) is set on any rank of the layout;

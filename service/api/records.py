@@ -20,7 +20,6 @@ from ..spec import field_path, text
 from .store import JobStore
 
 MAX_RECORDS = 1000  # per request
-# each rank's record of every step it ran (service.train.rank_records.keep_record)
 MAX_STEP = 1 << 40
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
 Number = float | None
