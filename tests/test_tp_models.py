@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_build import hf_causal_lm
 from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
 
 import dmuon
@@ -42,16 +43,8 @@ def make(kind: str, device=None):
     if kind == "builtin":
         return builtin.build_model(BUILTIN, dtype=torch.float64, device=device or "cpu",
                                    seed=None if device == "meta" else SEED)
-    import transformers
-
-    cls = {"llama": transformers.LlamaForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[kind]
-    config = cls.config_class(**HF[kind])
-    if device == "meta":
-        with torch.device("meta"):
-            return cls._from_config(config, dtype=torch.float64)
-    model = cls._from_config(config, dtype=torch.float64)
-    dmuon.init_weights(model, seed=SEED, init_fn=model._init_weights)
-    return model
+    name = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}[kind]
+    return hf_causal_lm(name, HF[kind], seed=SEED, device=device)
 
 
 def init_fn(kind, model):

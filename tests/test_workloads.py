@@ -12,6 +12,8 @@ workers, gloo on loopback):
   through REST (``dmuon-svc submit --working-dir`` uploads the directory);
 - an elastic job whose smallest layout the head cannot hold fails once it has waited
   ``layout.elastic.max_wait_s``, naming both counts (Ray Train alone waits for ever);
+- NorMuon with QK-clip on the HF Llama under TP through REST, its records carrying the
+  max logit and the heads clipped;
 - bad paths and sizes refused with their field path before anything is stored;
 - Ctrl-C stops the service, its running job as a cancel would, and every process of
   its head.
@@ -280,6 +282,29 @@ def test_an_elastic_job_below_its_smallest_layout_fails_after_max_wait_s(svc):
     assert svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1] == []
 
 
+def test_normuon_and_qk_clip_through_rest_record_the_max_logits(svc):
+    """NorMuon with QK-clip on the HF Llama (recording through transformers' attention
+    interface), tensor parallel 1 x 2 x 2 (each TP rank records its own heads), with a
+    tau under every head's max logit: SUCCEEDED, and each step's records, the same on
+    every rank, carry the largest max logit (over tau) and the heads clipped (some, at
+    most the model's 2 x 4). The numbers: tests/test_qk_clip_hf.py, core/test_normuon.py."""
+    tau, steps, heads = 0.01, 3, LLAMA["num_hidden_layers"] * LLAMA["num_attention_heads"]
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {
+        **RECIPE, "name": "variants", "steps": steps, "model": {"hf": "models/llama"},
+        "layout": {"tp": 2}, "optimizer": {**RECIPE["optimizer"], "variant": "normuon",
+                                           "qk_clip": {"tau": tau}}}})
+    assert status == 201, job
+    done = svc.wait_ended(job["id"])
+    assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
+    records = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    assert sorted(r["step"] for r in records) == sorted(list(range(1, steps + 1)) * WORLD)
+    for step in range(1, steps + 1):
+        seen = {(r["max_logit"], r["clipped_heads"]) for r in records if r["step"] == step}
+        assert len(seen) == 1, (step, seen)
+        max_logit, clipped = seen.pop()
+        assert max_logit > tau and 0 < clipped <= heads, (step, max_logit, clipped)
+
+
 def _bad_specs(data: str) -> list[tuple[dict, str]]:
     os.makedirs(os.path.join(data, "bad"), exist_ok=True)
     write_shard(os.path.join(data, "bad", "empty.bin"), np.zeros(0, np.uint16))
@@ -298,6 +323,8 @@ def _bad_specs(data: str) -> list[tuple[dict, str]]:
         ({"model": {"hf": "models/llama"}, "seq_len": 128}, "spec.seq_len"),  # limit 64
         ({"model": {"hf": "models/missing"}}, "spec.model.hf"),
         ({"model": {"hf": "models/llama", "weights": "models"}}, "spec.model.weights"),
+        ({"model": {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE},
+          "optimizer": {"qk_clip": {"tau": 100}}}, "spec.optimizer.qk_clip"),  # q/k norms
         ({**base, "model": "tiny", "dmuon": {"muon_params": r"lm_head\.weight"}},
          "spec.dmuon.muon_params"),
         ({**base, "batch_size": 2, "global_batch_tokens": 300}, "spec.global_batch_tokens"),

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..spec import JobSpec
 from ..spec.model import builtin_config
+from .attention_logits import enable_qk_clip
 from .builtin import build_model, init_builtin
 from .params import ParamSplit, find_blocks, split_params
 from .source import ModelSource
@@ -69,6 +70,8 @@ def prepare_on_meta(spec: JobSpec, source: ModelSource, dtype: torch.dtype) -> P
     way the planner and the workers both make the model, so the FQNs the plan names are
     the ones the workers see (``checkpoint_wrapper`` renames a factory model's)."""
     model = build_on_meta(spec, source, dtype)
+    if spec.optimizer.qk_clip is not None and source.kind == "hf":
+        enable_qk_clip(model)  # the built-in model reports its max logits itself
     checkpoint_blocks(spec, source, model, find_blocks(model))
     split = split_params(model, muon_params=spec.dmuon.muon_params,
                          adamw_params=spec.dmuon.adamw_params,

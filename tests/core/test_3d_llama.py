@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from _hf_build import hf_causal_lm
 from _memory import peak_live_bytes
 from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,15 +37,7 @@ def predicate(name, p):
 
 
 def llama(device=None):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(**CONFIG)
-    if device == "meta":
-        with torch.device("meta"):
-            return LlamaForCausalLM._from_config(config, dtype=torch.float64)
-    model = LlamaForCausalLM._from_config(config, dtype=torch.float64)
-    dmuon.init_weights(model, seed=SEED, init_fn=model._init_weights)
-    return model
+    return hf_causal_lm("LlamaForCausalLM", CONFIG, seed=SEED, device=device)
 
 
 def tp_plan():

@@ -16,14 +16,18 @@ import math
 import pytest
 import torch
 from _model import apply_rope, build_model, get_config, muon_predicate
+from _qk_clip import (
+    assert_clip_ends_at_tau,
+    assert_same_record,
+    causal_head_maxima,
+    reference_run,
+)
 from _train import (
     HPARAMS,
     global_batches,
     local_rows,
     loss_of,
     lr_lambda,
-    reference_ns,
-    reference_optimizers,
 )
 
 import dmuon
@@ -31,35 +35,14 @@ from dmuon.testing import run
 
 STEPS = 10
 TAU = 0.1  # the tiny model's max logits run 0.11-0.19: 1 to 6 of its 8 heads clip per step
-RTOL = 1e-9
 
 
 def head_max_logits(attn, x, cos, sin) -> torch.Tensor:
-    """Per query head, the max over batch and causal pairs of q . k / sqrt(head_dim)."""
     b, t, _ = x.shape
     d = attn.head_dim
     q = apply_rope(attn.q_proj(x).view(b, t, -1, d).transpose(1, 2), cos, sin)
     k = apply_rope(attn.k_proj(x).view(b, t, -1, d).transpose(1, 2), cos, sin)
-    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    logits = q @ k.transpose(-1, -2) / math.sqrt(d)
-    logits = logits.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), -math.inf)
-    return logits.amax(dim=(0, 2, 3))
-
-
-def clip_heads(attn, maxima: list[float]) -> None:
-    """Head h's logits scale by gamma_h = min(1, tau / S_h): its key head by
-    sqrt(gamma_g) (gamma_g: its group's least gamma), each query head by
-    gamma_h / sqrt(gamma_g)."""
-    d = attn.head_dim
-    kv = attn.k_proj.weight.shape[0] // d
-    rep = len(maxima) // kv
-    for g in range(kv):
-        gammas = [min(1.0, TAU / maxima[h]) for h in range(g * rep, (g + 1) * rep)]
-        group = min(gammas)
-        attn.k_proj.weight[g * d:(g + 1) * d] *= math.sqrt(group)
-        for i, gamma in enumerate(gammas):
-            h = g * rep + i
-            attn.q_proj.weight[h * d:(h + 1) * d] *= gamma / math.sqrt(group)
+    return causal_head_maxima(q, k)
 
 
 def _keep_attention_inputs(model) -> dict:
@@ -75,27 +58,9 @@ def reference():
     """Final params, and per step the max logit and the heads clipped (measured in the
     step's forward, as the report does, and applied after the update)."""
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
-    named = list(model.named_parameters())
-    opts = reference_optimizers([p for n, p in named if muon_predicate(n, p)],
-                                [p for n, p in named if not muon_predicate(n, p)])
-    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
-    inputs, record = _keep_attention_inputs(model), []
-    with reference_ns():
-        for batch in global_batches(STEPS):
-            loss_of(model, batch).backward()
-            maxima = step_maxima(model, inputs)
-            for o in opts:
-                o.step()
-            with torch.no_grad():
-                for layer, m in zip(model.model.layers, maxima):
-                    clip_heads(layer.self_attn, m)
-            record.append((max(max(m) for m in maxima),
-                           sum(s > TAU for m in maxima for s in m)))
-            for s in scheds:
-                s.step()
-            for o in opts:
-                o.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, record
+    inputs = _keep_attention_inputs(model)
+    return reference_run(model, muon_predicate, loss_of, lambda: step_maxima(model, inputs), TAU,
+                         global_batches(STEPS))
 
 
 @torch.no_grad()
@@ -192,10 +157,7 @@ def test_qk_clip_matches_the_float64_reference(layout):
             err = ((full[key] - value).abs().max() / value.abs().max()).item()
             assert err <= 1e-9, (layout, rank, key, err)
     for rank, (_, record, *_) in enumerate(results):  # TP peers' heads counted together
-        for step, ((max_logit, clipped), (got, got_clipped)) in enumerate(zip(ref_record,
-                                                                             record)):
-            assert abs(got - max_logit) <= RTOL * max_logit, (layout, rank, step)
-            assert got_clipped == clipped, (layout, rank, step, got_clipped, clipped)
+        assert_same_record(ref_record, record, (layout, rank))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -212,14 +174,7 @@ def test_clipped_heads_end_at_tau(layout):
     measured = step_maxima(model, inputs)
     model.load_state_dict(after)
     now = step_maxima(model, inputs)
-    clipped = [(i, h) for i, m in enumerate(measured) for h, s in enumerate(m) if s > TAU]
-    assert clipped, measured
-    for _, _, (max_logit, count), _, _ in results:
-        assert count == len(clipped), (count, clipped)
-        assert max_logit == pytest.approx(max(max(m) for m in measured), rel=RTOL)
-    for i, m in enumerate(measured):
-        for h, s in enumerate(m):
-            assert now[i][h] == pytest.approx(min(s, TAU), rel=RTOL), (layout, i, h, s)
+    assert_clip_ends_at_tau(measured, now, [r[2] for r in results], TAU)
 
 
 def test_without_qk_clip_the_reference_ends_elsewhere():
@@ -246,9 +201,7 @@ def test_max_logits_in_slabs_match_the_whole_causal_matrix(monkeypatch, slab):
     k = torch.randn(2, 2, 9, 8, dtype=torch.float64, generator=g)
     # a large logit on a masked pair (query 0, key 8) must not count
     q[:, :, 0], k[:, :, 8] = 10.0, 10.0
-    logits = q @ k.repeat_interleave(3, dim=1).transpose(-1, -2) / math.sqrt(8)
-    logits = logits.masked_fill(~torch.ones(9, 9, dtype=torch.bool).tril(), -math.inf)
-    expected = logits.amax(dim=(0, 2, 3))
+    expected = causal_head_maxima(q, k)
     assert torch.allclose(dmuon.qk_clip.max_logits(q, k), expected, rtol=1e-14, atol=0)
     assert expected.max() < 10.0 * 10.0 * 8 / math.sqrt(8)
 
