@@ -10,7 +10,8 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-gpu lint clean
+	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-gpu \
+	lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,6 +66,11 @@ bench-ns-quality: $(STAMP)
 # DMuon vs AdamW on the built-in small model, LR-tuned, 3 seeds (about 20 minutes here)
 bench-convergence: $(STAMP)
 	$(PY) -m bench.convergence
+
+# Plain Muon, QK-clip and NorMuon on the built-in small model, 5 runs of 200 steps on one
+# thread (8 to 12 minutes here); writes a dated record in bench/results/
+bench-muon-variants: $(STAMP)
+	$(PY) -m bench.muon_variants
 
 # dmuon.mode auto for Llama-3 8B / 70B on 1, 8, 64 GPUs of 80 GB (seconds)
 bench-modes: $(STAMP)
