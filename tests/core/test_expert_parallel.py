@@ -18,6 +18,7 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
+from _layer_stack import LayerStack
 from _train import HPARAMS, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
@@ -97,18 +98,8 @@ class LoopLayer(nn.Module):
         return x + self.proj(out.view_as(x))
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(MoELayer() for _ in range(LAYERS))
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+def net() -> LayerStack:
+    return LayerStack(MoELayer, LAYERS, VOCAB, D)
 
 
 def is_muon(name, p):
@@ -135,7 +126,7 @@ def loss_of(model, tokens, banned: bool):
 @functools.cache
 def reference(banned: bool = True) -> tuple[dict, list[float]]:
     torch.manual_seed(0)
-    model = Net().double()
+    model = net().double()
     dmuon.init_weights(model, seed=SEED)
     model.layers = nn.ModuleList(LoopLayer(layer) for layer in model.layers)
     named = list(model.named_parameters())
@@ -165,7 +156,7 @@ def _setup(layout):
     R, N, P, z3 = layout
     mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
     with torch.device("meta"):
-        model = Net().double()
+        model = net().double()
     ep_group = dmuon.shard_experts(model, is_muon, mesh["shard"], ep_size=P)
     for layer in model.layers:
         layer.ep_group = ep_group
