@@ -77,6 +77,8 @@ from .dcp_state_dict import (
     set_optimizer_state_dict,
 )
 from .dedicate import dedicate_params
+from .expert_dispatch import dispatch_combine
+from .expert_parallel import shard_experts
 from .full_state import full_state_dict
 from .grads import clip_grad_norm_, no_sync
 from .meta_init import init_weights, materialize, unit_seed
@@ -124,6 +126,7 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "dedicate_params_ddp",
+    "dispatch_combine",
     "full_state_dict",
     "fully_shard",
     "get_dedicated_params",
@@ -144,6 +147,7 @@ __all__ = [
     "replicate",
     "set_model_state_dict",
     "set_optimizer_state_dict",
+    "shard_experts",
     "unit_seed",
     "utils",
     "wait_all_post_step_broadcasts",

@@ -41,7 +41,8 @@ class Member:
     shape: torch.Size  # of the unit as this rank's module computes with it
     offset: int = 0
     tp: TPShard | None = None
-    experts: tuple[int, int] | None = None
+    experts: tuple[int, int] | None = None  # counted from the first expert this rank holds
+    ep_base: int | None = None  # expert parallelism: the first expert this rank holds
 
     @property
     def numel(self) -> int:
@@ -55,6 +56,20 @@ class Member:
         if hasattr(grad, "to_local"):
             grad = grad.to_local()
         return grad[self.experts[0]:self.experts[1]] if self.experts else grad
+
+
+def _columns_in_expert_order(members: list[Member]) -> bool:
+    """Only slices of experts, each param's in expert order by (column, replica), as an
+    expert-parallel plan places them: then every column's part of a param is contiguous
+    in it, and the all-gather can land in the param's own storage."""
+    if not members or not all(m.experts for m in members):
+        return False
+    ends: dict[int, int] = {}
+    for m in members:  # sorted by (column, replica, plan index)
+        if m.experts[0] != ends.get(id(m.param), 0):
+            return False
+        ends[id(m.param)] = m.experts[1]
+    return True
 
 
 def _segments(members: list[Member], key, count: int) -> list[int]:
@@ -86,6 +101,7 @@ class Boundary:
         self.replica_sizes = _segments(self.column, lambda m: m.owner[0], ctx.replicate_size)
         self.owned = [m for m in self.column if m.owner[0] == r]
         self.owned_offset = sum(self.replica_sizes[:r])
+        self.direct = _columns_in_expert_order(members)
         self._allocate(ctx.device)
         self.fresh = False  # the packed buffer holds the owners' current values
         self.gather: comm.Pending | None = None
@@ -95,7 +111,7 @@ class Boundary:
     # -- storage ---------------------------------------------------------------------
     def _allocate(self, device) -> None:
         empty = lambda n, dtype: torch.empty(n, dtype=dtype, device=device)  # noqa: E731
-        self.packed = empty(self.numel, self.param_dtype)
+        self.packed = empty(0 if self.direct else self.numel, self.param_dtype)
         self.column_values = empty(self.column_sizes[self.ctx.shard_rank], self.param_dtype)
         # a 3-D param's full shape from its slices: on the meta device the param itself
         # is a storage-less placeholder of shape (0,) by now
@@ -225,9 +241,27 @@ class Boundary:
             # Waited for here, on CUDA only the gather stream waits: a prefetch issued in
             # boundary k's pre-forward must not hold k's compute until k+1's replicate lands
             self.wait_replicate()
-            work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
-                                     ctx.shard_group, ctx.ledger, "shard", phase)
-        self.gather = comm.Pending(work, self.packed, self.column_values, issued=issued)
+            if self.direct:
+                work = self._gather_experts(phase)
+            else:
+                work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
+                                         ctx.shard_group, ctx.ledger, "shard", phase)
+        self.gather = comm.Pending(work, *self._storages(), self.column_values,
+                                   issued=issued)
+
+    def _gather_experts(self, phase: str):
+        """One all-gather per param, each column's experts straight into their place."""
+        ctx, works = self.ctx, []
+        for p in self.params:
+            parts = [m for m in self.members if m.param is p]
+            sizes = [sum(m.numel for m in parts if m.owner[1] == c)
+                     for c in range(ctx.shard_size)]
+            views = [self._column_view(m).reshape(-1) for m in parts if m in self.column]
+            mine = views[0] if len(views) == 1 else torch.cat(views) if views else \
+                self.column_values[:0]
+            works.append(comm.all_gather_v(self.expert_bases[id(p)].view(-1), sizes, mine,
+                                           ctx.shard_group, ctx.ledger, "shard", phase))
+        return comm.all_of(works)
 
     @torch.no_grad()
     def wait_gather(self) -> None:
@@ -235,7 +269,7 @@ class Boundary:
             return
         self.gather.wait()
         self.gather = None
-        for m in self.members:
+        for m in self.members if not self.direct else ():
             if m.experts:
                 base = self.expert_bases[id(m.param)]
                 base[m.experts[0]:m.experts[1]].copy_(

@@ -190,6 +190,12 @@ class _Works:
         return True
 
 
+def all_of(works):
+    """Several issued collectives as one work (None where none sent anything)."""
+    works = [w for w in works if w is not None]
+    return _Works(works) if works else None
+
+
 def all_gather_v(out: torch.Tensor, sizes: list[int], mine: torch.Tensor, group,
                  ledger: Ledger, dim: str, phase: str):
     """Async gather of every rank's segment (``sizes[i]`` elements from group rank i,

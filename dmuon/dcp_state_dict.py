@@ -29,6 +29,7 @@ from .fqn import canonical_fqn, param_names
 from .full_state import full_owned, full_state_dict, raw_state_dict
 from .meta_init import local_part
 from .model_state import get_state
+from .partition import whole_shape
 
 _UNSUPPORTED = {"keep_submodule_prefixes": True, "flatten_optimizer_state_dict": False,
                 "dsd_fqn_modifiers": "_fqn_modifiers"}
@@ -114,6 +115,14 @@ def _values(sd: dict, meta: dict, from_rank0: bool, device):
         yield key, t
 
 
+def _whole_shapes(model: nn.Module, targets: dict) -> dict[str, tuple]:
+    """Each target's shape in full (an expert-parallel param's: the whole layer's)."""
+    shapes = {k: tuple(v.shape) for k, v in targets.items()}
+    shapes.update({canonical_fqn(n): whole_shape(p) for n, p in model.named_parameters()
+                   if canonical_fqn(n) in shapes})
+    return shapes
+
+
 def _check_full(meta: dict, targets: dict, strict: bool) -> tuple[list, list]:
     """Missing and unexpected keys, and every shape, checked before anything is written."""
     missing = [k for k in targets if k not in meta]
@@ -123,16 +132,16 @@ def _check_full(meta: dict, targets: dict, strict: bool) -> tuple[list, list]:
                            f"unexpected keys {unexpected[:8]} ({len(missing)} and "
                            f"{len(unexpected)} in all); pass strict=False to load the rest")
     for key, (shape, _) in meta.items():
-        if key in targets and tuple(targets[key].shape) != shape:
-            raise ValueError(f"{key}: state dict shape {shape} != model "
-                             f"{tuple(targets[key].shape)}")
+        if key in targets and targets[key] != shape:
+            raise ValueError(f"{key}: state dict shape {shape} != model {targets[key]}")
     return missing, unexpected
 
 
 def _unit_part(m, full: torch.Tensor, device) -> torch.Tensor:
     """A unit's value as this rank computes with it, from the param's full tensor."""
     value = local_part(full, m.param, device) if m.tp is not None else full.to(device)
-    return value[m.experts[0]:m.experts[1]] if m.experts else value
+    base = m.ep_base or 0  # expert parallelism: ``full`` holds the whole layer's experts
+    return value[base + m.experts[0]:base + m.experts[1]] if m.experts else value
 
 
 @torch.no_grad()
@@ -145,7 +154,7 @@ def _load_full(model: nn.Module, sd: dict, form: _Form) -> _IncompatibleKeys:
             columns.setdefault(canonical_fqn(state.plan.params[m.fqn].param), []).append((b, m))
     dedicated = {canonical_fqn(f) for f in state.plan.param_fqns}
     meta = _metadata(sd, form.broadcast_from_rank0)
-    missing, unexpected = _check_full(meta, targets, form.strict)
+    missing, unexpected = _check_full(meta, _whole_shapes(model, targets), form.strict)
     device = state.ctx.device
     for key, full in _values(sd, meta, form.broadcast_from_rank0, device):
         if key in dedicated:

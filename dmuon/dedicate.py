@@ -18,10 +18,18 @@ from torch import nn
 
 from . import comm, tp_traffic
 from .buffers import Boundary, Member
+from .expert_parallel import ep_subgroups
 from .full_state import install_state_dict_guard
 from .hooks import BoundaryHooks
 from .model_state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
-from .partition import DedicationPlan, check_plan, model_entries, plan_from_shapes
+from .partition import (
+    EP_ATTR,
+    DedicationPlan,
+    check_plan,
+    model_entries,
+    model_ep,
+    plan_from_shapes,
+)
 from .reduce import GradientReduce
 from .tp import tp_shard_of
 
@@ -104,6 +112,17 @@ def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
             )
 
 
+def _expert_context(ctx: RankContext, mesh, ep_size: int) -> RankContext:
+    """The context of expert-parallel boundaries: the expert shard group (two copies, for
+    gathers and reduces) in place of the shard group, and the EP group."""
+    group = mesh.get_group()
+    gather, reduce = (ep_subgroups(group, ep_size, expert_shard=True) for _ in range(2))
+    return dataclasses.replace(
+        ctx, shard_group=gather, reduce_group=reduce, shard_rank=ctx.shard_rank // ep_size,
+        shard_size=ctx.shard_size // ep_size, ep_size=ep_size,
+        ep_group=ep_subgroups(group, ep_size, expert_shard=False))
+
+
 def _local_shapes(plan: DedicationPlan, params: dict) -> dict[str, torch.Size]:
     """Each unit's shape as this rank computes with it (a TP shard's local shape)."""
     out = {}
@@ -115,12 +134,33 @@ def _local_shapes(plan: DedicationPlan, params: dict) -> dict[str, torch.Size]:
     return out
 
 
-def _members(plan: DedicationPlan, params: dict, shapes: dict) -> dict[str, list[Member]]:
+def _member(a, index: int, param: nn.Parameter, shape, ep_size: int) -> Member:
+    """The unit as this rank holds it: an expert-parallel slice's owner by its column in
+    the expert shard group, its experts counted from this rank's first."""
+    if a.ep is None:
+        return Member(a.fqn, param, a.owner_coord, index, shape, experts=a.experts)
+    base = a.ep * getattr(param, EP_ATTR)[0] // ep_size
+    r, s = a.owner_coord
+    return Member(a.fqn, param, (r, s // ep_size), index, shape,
+                  experts=(a.experts[0] - base, a.experts[1] - base), ep_base=base)
+
+
+def _members(plan: DedicationPlan, params: dict, shapes: dict,
+             ep: int | None) -> dict[str, list[Member]]:
+    """Boundary -> this rank's members (expert-parallel units of its EP coordinate only)."""
     out: dict[str, list[Member]] = {}
+    kinds: dict[str, set] = {}
     for index, (unit, a) in enumerate(plan.params.items()):
+        kinds.setdefault(a.boundary, set()).add(a.ep is None)
+        if a.ep is not None and a.ep != ep:
+            continue
         out.setdefault(a.boundary, []).append(
-            Member(unit, params[a.param], a.owner_coord, index, shapes[unit],
-                   experts=a.experts))
+            _member(a, index, params[a.param], shapes[unit], plan.ep_size))
+    mixed = sorted(b for b, k in kinds.items() if len(k) > 1)
+    if mixed:
+        raise ValueError(f"hook boundary '{mixed[0]}' holds expert-parallel and other "
+                         "params: give the experts' module a boundary of its own "
+                         "(hook_boundary_predicate)")
     return out
 
 
@@ -162,7 +202,7 @@ def leave_meta(state: DMuonState) -> None:
             next(h for h in state.hooks if h.boundary is b).hook_gradients()
 
 
-def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> None:
+def build_boundaries(state: DMuonState, model: nn.Module, shapes: dict, policy) -> None:
     """Packed buffers for every boundary, filled with the params' current values
     (unless on the meta device), the module's tensors then viewing them.
 
@@ -170,10 +210,20 @@ def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> N
     (no more memory than the model held before), a meta model its meta params until
     ``dmuon.materialize``: a ``fully_shard`` bound before ``import dmuon`` then shards a
     copy, or meta tensors, leaving DMuon's storage untouched, and ``check_dedicated``
-    names the param instead of a storage-size error."""
+    names the param instead of a storage-size error.
+
+    Boundaries go in forward order, the modules' (a parent's forward begins before its
+    children's): by their params' order a boundary nested in another (an experts module
+    inside its block) whose params come first would go first, and prefetch would
+    gather the wrong neighbour."""
     state.boundaries = []
-    for name, members in _members(state.plan, params, shapes).items():
-        b = Boundary(name, members, state.ctx, *_param_dtype(members, policy))
+    ep = state.ctx.shard_rank % state.plan.ep_size
+    members = _members(state.plan, dict(model.named_parameters()), shapes, ep)
+    order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    for name in sorted(members, key=order.__getitem__):
+        members_here = members[name]
+        ctx = state.expert_ctx if members_here[0].ep_base is not None else state.ctx
+        b = Boundary(name, members_here, ctx, *_param_dtype(members_here, policy))
         if b.on_meta:
             b.free()  # the module keeps its meta params until dmuon.materialize
         else:
@@ -182,14 +232,16 @@ def build_boundaries(state: DMuonState, params: dict, shapes: dict, policy) -> N
         state.boundaries.append(b)
 
 
-def _plan_to_run(stored, entries: list, shard_size: int, replicate_size: int):
+def _plan_to_run(stored, entries: list, shard_size: int, replicate_size: int, ep: tuple):
     """The stored plan, checked against the model and mesh (a copy: ``dedicate_params``
-    fills in TP modes and binds params), else a new partition."""
+    fills in TP modes and binds params), else a new partition. ``ep``: (the
+    expert-parallel params, the EP degree)."""
     if stored is None:
-        return plan_from_shapes(entries, shard_size, replicate_size)
+        return plan_from_shapes(entries, shard_size, replicate_size, ep_params=ep[0],
+                                ep_size=ep[1])
     plan = DedicationPlan.from_dict(
         stored.to_dict() if isinstance(stored, DedicationPlan) else stored)
-    check_plan(plan, entries, shard_size, replicate_size)
+    check_plan(plan, entries, shard_size, replicate_size, *ep)
     return plan
 
 
@@ -227,14 +279,15 @@ def dedicate_params(
     _check_can_dedicate(model, prefetch)
     entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
     mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
-    plan = _plan_to_run(plan, entries, mesh.size(),
-                        replicate_mesh.size() if replicate_mesh is not None else 1)
+    plan = _plan_to_run(plan, entries, mesh.size(), replicate_mesh.size() if replicate_mesh
+                        is not None else 1, model_ep(model, predicate))
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
+    state.expert_ctx = _expert_context(ctx, mesh, plan.ep_size) if plan.ep_size > 1 else None
     state.mp_policy, state.own_mp_policy = mp_policy, mp_policy is not None
     params = dict(model.named_parameters())
     state.needs_init = any(params[f].is_meta for f in plan.param_fqns)
-    build_boundaries(state, params, _local_shapes(plan, params), mp_policy)
+    build_boundaries(state, model, _local_shapes(plan, params), mp_policy)
     _attach(model, state)
     return plan
 

@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from . import comm
 
@@ -100,11 +101,14 @@ def _run_local_experts(rows: torch.Tensor, from_sources: torch.Tensor,
     """Each local expert on its received rows. ``rows`` arrive by source rank, then by
     local expert within a source (``from_sources[src, j]`` rows); the results go back in
     that order."""
-    local = torch.arange(len(experts), device=rows.device).repeat(from_sources.shape[0])
+    local = torch.arange(from_sources.shape[1], device=rows.device).repeat(from_sources.shape[0])
     expert_of_row = local.repeat_interleave(from_sources.flatten())
     by_expert = torch.argsort(expert_of_row, stable=True)
     chunks = rows[by_expert].split(from_sources.sum(0).tolist())
-    outs = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
+    if isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList):
+        outs = experts(list(chunks))  # one call: DMuon's hooks gather its experts once
+    else:
+        outs = torch.cat([expert(chunk) for expert, chunk in zip(experts, chunks)])
     return outs[torch.argsort(by_expert)]
 
 
@@ -112,7 +116,8 @@ def _check(tokens, choices, weights, num_experts: int, experts, P: int) -> None:
     if num_experts % P:
         raise ValueError(f"num_experts={num_experts} is not divisible by the EP group's "
                          f"{P} ranks")
-    if len(experts) != num_experts // P:
+    grouped = isinstance(experts, nn.Module) and not isinstance(experts, nn.ModuleList)
+    if not grouped and len(experts) != num_experts // P:
         raise ValueError(f"experts: {len(experts)} local experts given, the EP rank "
                          f"holds num_experts/P = {num_experts // P}")
     if choices.shape != weights.shape or choices.shape[0] != tokens.shape[0]:
@@ -129,7 +134,10 @@ def dispatch_combine(tokens: torch.Tensor, choices: torch.Tensor, weights: torch
                      experts: Sequence[Callable], num_experts: int, group,
                      ledger: comm.Ledger | None = None) -> torch.Tensor:
     """``[n, hidden]``: each token's experts' outputs weighted by ``weights``, the
-    experts running on the EP ranks that hold them (``experts``: this rank's E/P)."""
+    experts running on the EP ranks that hold them (``experts``: this rank's E/P, as a
+    sequence of callables, or as one module called once with the list of each local
+    expert's rows that returns their outputs concatenated: a hook boundary of its own
+    under ``dmuon.shard_experts``)."""
     P = dist.get_world_size(group)
     _check(tokens, choices, weights, num_experts, experts, P)
     n, k = choices.shape

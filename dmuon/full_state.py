@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .expert_parallel import gather_experts
 from .fqn import canonical_fqn
 from .model_state import get_state
 
@@ -64,7 +65,7 @@ def _gathered_owned(state, b, owned_tensor) -> torch.Tensor:
     """The boundary's owned tensors (``owned_tensor(b, unit)``: the masters, or their
     momentum) in full, in the master dtype, on every rank: the owners' parts over the
     replicate group into the column, the columns over the shard group."""
-    ctx, dtype = state.ctx, b.master_dtype
+    ctx, dtype = b.ctx, b.master_dtype
     mine = [owned_tensor(b, m.fqn).detach().reshape(-1) for m in b.owned]
     mine = torch.cat(mine) if mine else torch.empty(0, dtype=dtype, device=ctx.device)
     column = torch.empty(b.column_sizes[ctx.shard_rank], dtype=dtype, device=ctx.device)
@@ -83,15 +84,22 @@ def _gathered_owned(state, b, owned_tensor) -> torch.Tensor:
 
 def full_owned(state, owned_tensor) -> dict[str, torch.Tensor]:
     """State-dict key -> the dedicated param's tensor in full (collective): TP shards
-    joined, slices of experts concatenated."""
-    by_unit = {}
+    joined, slices of experts concatenated, an expert-parallel layer's experts gathered
+    from its EP ranks."""
+    by_unit, ep_group = {}, {}
     for b in state.boundaries:
         flat = _gathered_owned(state, b, owned_tensor)
         for m in b.members:
             local = flat[m.offset:m.offset + m.numel].view(m.shape)
             by_unit[m.fqn] = m.tp.as_dtensor(local).full_tensor() if m.tp else local
-    return {key: torch.cat([by_unit[u] for u in units])
-            for key, units in units_by_key(state.plan).items()}
+            if m.ep_base is not None:
+                ep_group[m.fqn] = b.ctx.ep_group
+    out = {}
+    for key, units in units_by_key(state.plan).items():
+        here = [u for u in units if u in by_unit]
+        whole = torch.cat([by_unit[u] for u in here])
+        out[key] = gather_experts(whole, ep_group[here[0]]) if here[0] in ep_group else whole
+    return out
 
 
 @torch.no_grad()

@@ -27,6 +27,7 @@ from torch import nn
 
 from .dedicate import leave_meta
 from .model_state import get_state, is_dedicated
+from .partition import whole_shape
 
 
 def unit_seed(seed: int, fqn: str) -> int:
@@ -88,7 +89,9 @@ def _keep(state, p, full: torch.Tensor, column_of: dict) -> None:
     if is_dedicated(p):
         value = local_part(full, p, device) if hasattr(p, "placements") else full
         for b, m in column_of.get(id(p), ()):
-            b.load_value(m, value[m.experts[0]:m.experts[1]] if m.experts else value)
+            lo, hi = m.experts or (0, 0)
+            base = m.ep_base or 0  # an expert-parallel param: ``full`` is the whole layer
+            b.load_value(m, value[base + lo:base + hi] if m.experts else value)
     elif hasattr(p, "to_local"):
         p.to_local().copy_(local_part(full, p, device))
     else:
@@ -108,7 +111,7 @@ def _initialise(model: nn.Module, state, seed: int, init_fn) -> None:
     for name, _module, rule, params in init_units(model, init_fn):
         if params and not any(_needed(p, column_of) for _, _, p in params):
             continue  # nothing of it stays here: skip the work (units seed independently)
-        temporaries = [torch.empty(p.shape, dtype=p.dtype) for _, _, p in params]
+        temporaries = [torch.empty(whole_shape(p), dtype=p.dtype) for _, _, p in params]
         with torch.random.fork_rng(devices=[]), _swapped(params, temporaries):
             torch.manual_seed(unit_seed(seed, name))
             rule()

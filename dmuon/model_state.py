@@ -42,6 +42,10 @@ class RankContext:
     streams: comm.Streams
     reduce_dtype: torch.dtype | None = None
     tp_group: object = None  # the TP peers of dedicated TP shards (their NS talks there)
+    # an expert-parallel boundary's context: its shard group is the expert shard group,
+    # and ``ep_group`` the EP ranks its layer's experts are spread over
+    ep_group: object = None
+    ep_size: int = 1
 
 
 class DMuonState:
@@ -50,9 +54,11 @@ class DMuonState:
     def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool,
                  prefetch: int):
         self.plan, self.ctx = plan, ctx
+        self.expert_ctx: RankContext | None = None  # expert-parallel boundaries' context
         self.reshard_after_forward = reshard_after_forward
         self.prefetch_depth = prefetch
         self.boundaries: list[Boundary] = []  # forward order
+        self._backward_order: list[Boundary] = []
         self.hooks: list[BoundaryHooks] = []
         self.reduce: GradientReduce | None = None
         self.in_backward = False
@@ -118,20 +124,38 @@ class DMuonState:
         self.set_up_checked = True
 
     def prefetch(self, hooks: BoundaryHooks, forward: bool) -> None:
-        """Issue the all-gathers of the next boundaries (in backward: the previous ones,
-        Z3 only), so they overlap this boundary's compute. Every rank issues the same."""
+        """Issue the all-gathers of the next boundaries (in backward: the ones its
+        backward reaches next, Z3 only), so they overlap this boundary's compute. Every
+        rank issues the same."""
         if forward == self.in_backward or not (forward or self.reshard_after_forward):
             return
-        self._gather_ahead(self.hooks.index(hooks), forward)
+        order = self.boundaries if forward else self.backward_order()
+        self._gather_ahead(order, order.index(hooks.boundary), forward)
 
-    def _gather_ahead(self, i: int, forward: bool) -> None:
+    def backward_order(self) -> list[Boundary]:
+        """The order the backward enters the boundaries: the reverse of the order their
+        forwards end (FSDP2's rule), so a boundary nested in another (experts inside
+        their block) comes right after it; without nesting, the reverse forward order."""
+        def ends_before(a: str, b: str) -> bool:  # a's forward ends before b's
+            return b == "" or a.startswith(b + ".") if a != b else False
+
+        if len(self._backward_order) == len(self.boundaries):
+            return self._backward_order
+        done: list = []
+        for b in self.boundaries:  # forward (pre-)order; parents come before children
+            at = len(done)
+            while at > 0 and ends_before(b.name, done[at - 1].name):
+                at -= 1
+            done.insert(at, b)
+        self._backward_order = done[::-1]
+        return self._backward_order
+
+    def _gather_ahead(self, order: list, i: int, forward: bool) -> None:
         """The all-gathers of the ``prefetch_depth`` boundaries after position ``i`` in
-        forward order (before it, in the backward)."""
-        step = 1 if forward else -1
+        ``order``."""
         for k in range(1, self.prefetch_depth + 1):
-            j = i + step * k
-            if 0 <= j < len(self.boundaries):
-                self.boundaries[j].start_gather("forward" if forward else "backward")
+            if 0 <= i + k < len(order):
+                order[i + k].start_gather("forward" if forward else "backward")
 
     # -- the root's hooks: where one iteration's backward begins and ends -----------------
     def install_root_hooks(self, model: nn.Module) -> None:
@@ -141,7 +165,7 @@ class DMuonState:
                 self.end_backward()
             # the first boundaries' all-gathers overlap what runs before them (the
             # embedding, FSDP2's own gathers); every rank issues them here, in order
-            self._gather_ahead(-1, forward=True)
+            self._gather_ahead(self.boundaries, -1, forward=True)
 
         def post_forward(module, args, output):
             if torch.is_grad_enabled() and not self.in_backward:
@@ -155,7 +179,7 @@ class DMuonState:
                 if hooked and self.reshard_after_forward:
                     # Z3: the backward needs the last boundaries first; their re-gathers
                     # overlap the loss and the head's backward
-                    self._gather_ahead(len(self.boundaries), forward=False)
+                    self._gather_ahead(self.backward_order(), -1, forward=False)
             return output
 
         model.register_forward_pre_hook(pre_forward)
@@ -192,7 +216,8 @@ class DMuonState:
             raise RuntimeError("a mixed-precision policy must be set before the first "
                                "forward and before dmuon.Muon is created")
         self.mp_policy = policy
-        self.ctx.reduce_dtype = policy.reduce_dtype
+        for ctx in {id(c): c for c in [self.ctx, *(b.ctx for b in self.boundaries)]}.values():
+            ctx.reduce_dtype = policy.reduce_dtype
         for b in self.boundaries:
             b.set_param_dtype(policy.param_dtype or b.master_dtype)
 

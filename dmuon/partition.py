@@ -18,6 +18,9 @@ from torch import nn
 
 from .newton_schulz import ns_flops
 
+# on an expert-parallel 3-D param (``dmuon.shard_experts``): (the layer's experts, EP
+# degree, this rank's EP coordinate); the param holds experts [E/P * ep, E/P * (ep + 1))
+EP_ATTR = "_dmuon_ep"
 _LAYER_FQN = re.compile(r"(?:^|\.)(?:layers|blocks)\.\d+(?=\.)")
 
 
@@ -35,6 +38,7 @@ class Assignment:
     tp: str | None = None  # under tensor parallelism: "gram_allreduce" or "gather"
     param: str = ""  # the parameter's FQN (== fqn unless this is a slice of experts)
     experts: tuple[int, int] | None = None  # [lo, hi) of a 3-D (experts, out, in) param
+    ep: int | None = None  # expert parallelism: the EP coordinate whose ranks hold it
 
 
 @dataclass
@@ -51,6 +55,9 @@ class DedicationPlan(Mapping):
     # under tensor parallelism: the T peers of each (replicate, shard) coordinate share
     # its matrices, each owner holding its TP shard; ``owner`` is the coordinate's index
     tp_size: int = 1
+    # expert parallelism: shard index s has EP coordinate s % ep_size; an expert param's
+    # slices are owned inside the expert shard group of the coordinate holding them
+    ep_size: int = 1
     _bound: dict = field(default_factory=dict, repr=False, compare=False)
 
     def bind(self, params: dict[str, nn.Parameter]) -> None:
@@ -137,6 +144,7 @@ class DedicationPlan(Mapping):
             "shard_size": self.shard_size,
             "replicate_size": self.replicate_size,
             "tp_size": self.tp_size,
+            "ep_size": self.ep_size,
             "imbalance": self.imbalance,
             "ns_imbalance": self.ns_imbalance,
             "elements_per_rank": self.elements_per_rank,
@@ -152,6 +160,7 @@ class DedicationPlan(Mapping):
                     "tp": a.tp,
                     "param": a.param,
                     "experts": list(a.experts) if a.experts else None,
+                    "ep": a.ep,
                 }
                 for a in self.params.values()
             },
@@ -161,14 +170,15 @@ class DedicationPlan(Mapping):
     def from_dict(cls, stored: Mapping) -> DedicationPlan:
         """The plan ``to_dict`` wrote (a stored plan, read back from JSON)."""
         plan = cls(int(stored["shard_size"]), int(stored["replicate_size"]),
-                   tp_size=int(stored.get("tp_size", 1)))
+                   tp_size=int(stored.get("tp_size", 1)), ep_size=int(stored.get("ep_size", 1)))
         for unit, a in stored["params"].items():
             experts = a.get("experts")
             plan.params[unit] = Assignment(
                 fqn=unit, shape=tuple(a["shape"]), boundary=a["boundary"],
                 owner=int(a["owner"]), owner_coord=tuple(a["owner_coord"]),
                 numel=int(a["numel"]), ns_flops=int(a["ns_flops"]), tp=a.get("tp"),
-                param=a.get("param") or unit, experts=tuple(experts) if experts else None)
+                param=a.get("param") or unit, experts=tuple(experts) if experts else None,
+                ep=a.get("ep"))
         return plan
 
     def table(self) -> str:
@@ -177,15 +187,17 @@ class DedicationPlan(Mapping):
         ``(replicate, shard, tp)`` mesh), each holding 1/T of its coordinate's matrices."""
         per_rank, flops = self.elements_per_rank, self.ns_flops_per_rank
         counts = Counter(a.owner for a in self.params.values())
-        T = self.tp_size
-        coord = "(r,s,t)" if T > 1 else "(r,s)"
-        lines = [f"{'rank':>4} {coord:>7} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
+        T, P = self.tp_size, self.ep_size
+        coord = "(r,s)" if T == 1 else "(r,s,t)"
+        ep = f" {'ep':>3}" if P > 1 else ""
+        lines = [f"{'rank':>4} {coord:>7}{ep} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
         for rank in range(self.world_size * T):
             slot, t = divmod(rank, T)
             where = f"{slot // self.shard_size},{slot % self.shard_size}" + (f",{t}" if T > 1
                                                                            else "")
+            ep = f" {slot % self.shard_size % P:>3}" if P > 1 else ""
             lines.append(
-                f"{rank:>4} {'(' + where + ')':>7} {counts[slot]:>8} "
+                f"{rank:>4} {'(' + where + ')':>7}{ep} {counts[slot]:>8} "
                 f"{per_rank[slot] // T:>14,} {flops[slot] / T / 1e9:>10.2f}")
         lines.append(f"imbalance (max/mean): elements {self.imbalance:.4f}, "
                      f"NS FLOPs {self.ns_imbalance:.4f}")
@@ -242,13 +254,15 @@ def resolve_boundary(model: nn.Module, fqn: str, hook_boundary_predicate, strict
     return fqn.rsplit(".", 1)[0] if "." in fqn else ""
 
 
-def lpt_assign(items: list[tuple[str, int, int, str]], slots: int) -> dict[str, int]:
+def lpt_assign(items: list[tuple[str, int, int, str]], slots: int,
+               allowed: dict[str, list[int]] | None = None) -> dict[str, int]:
     """Global longest-processing-time assignment of (name, NS FLOPs, elements, boundary)
     to slots, on both costs at once: NS FLOPs are the owner's compute, elements its
     memory and traffic. Largest first (by the two shares of the mean, summed), each item
     to the slot where the larger of its two loads relative to the mean grows least.
     Params of a boundary that fits on ``slots`` owners never share one, so a boundary's
-    segments come from distinct owners."""
+    segments come from distinct owners. ``allowed``: the slots an item may go to (an
+    expert slice: the ranks of its EP coordinate), all by default."""
     per_boundary = Counter(b for *_, b in items)
     mean_f = max(sum(i[1] for i in items) / slots, 1)
     mean_e = max(sum(i[2] for i in items) / slots, 1)
@@ -259,9 +273,9 @@ def lpt_assign(items: list[tuple[str, int, int, str]], slots: int) -> dict[str, 
     owner: dict[str, int] = {}
     for i in order:
         name, f, e, boundary = items[i]
-        candidates = range(slots)
-        if per_boundary[boundary] <= slots:
-            candidates = [s for s in candidates if s not in used[boundary]]
+        candidates = (allowed or {}).get(name, range(slots))
+        if per_boundary[boundary] <= len(candidates):
+            candidates = [s for s in candidates if s not in used[boundary]] or candidates
 
         def grown(s, f=f, e=e):
             a, b = (flops[s] + f) / mean_f, (elements[s] + e) / mean_e
@@ -275,25 +289,71 @@ def lpt_assign(items: list[tuple[str, int, int, str]], slots: int) -> dict[str, 
     return owner
 
 
-def expert_units(fqn: str, shape, slots: int) -> list[tuple[str, tuple, tuple[int, int]]]:
-    """A 3-D (experts, out, in) param as up to ``slots`` contiguous slices of experts."""
-    experts = int(shape[0])
-    chunks = min(experts, slots)
-    bounds = [experts * i // chunks for i in range(chunks + 1)]
+def expert_units(fqn: str, shape, slots: int, first: int = 0,
+                 count: int | None = None) -> list[tuple[str, tuple, tuple[int, int]]]:
+    """Experts ``[first, first + count)`` of a 3-D (experts, out, in) param (all by
+    default) as up to ``slots`` contiguous slices of experts."""
+    count = int(shape[0]) if count is None else count
+    chunks = min(count, slots)
+    bounds = [first + count * i // chunks for i in range(chunks + 1)]
     return [(f"{fqn}[{lo}:{hi}]", (hi - lo, *shape[1:]), (lo, hi))
             for lo, hi in zip(bounds, bounds[1:])]
 
 
-def plan_units(entries: list[tuple[str, tuple[int, ...], str]], slots: int) -> list[tuple]:
-    """(unit, shape, boundary, param fqn, experts) in registration order: a 3-D param
-    becomes its slices of experts, each a unit of the partition."""
+def ep_slots(shard_size: int, replicate_size: int, ep_size: int, ep: int) -> list[int]:
+    """The slots of EP coordinate ``ep``: shard index ``s = j * ep_size + ep`` in every
+    replica (the EP group is ``ep_size`` consecutive shard indices)."""
+    return [r * shard_size + s for r in range(replicate_size)
+            for s in range(ep, shard_size, ep_size)]
+
+
+def plan_units(entries: list[tuple[str, tuple[int, ...], str]], slots: int,
+               ep_params=(), ep_size: int = 1) -> list[tuple]:
+    """(unit, shape, boundary, param fqn, experts, ep) in registration order: a 3-D param
+    becomes its slices of experts, each a unit of the partition; an expert-parallel one
+    (in ``ep_params``) its E/P experts per EP coordinate, sliced over that coordinate's
+    ``slots / ep_size`` ranks."""
     units = []
     for fqn, shape, boundary in entries:
-        if len(shape) == 3:
-            units += [(u, s, boundary, fqn, r) for u, s, r in expert_units(fqn, shape, slots)]
+        if fqn in ep_params:
+            per = int(shape[0]) // ep_size
+            for ep in range(ep_size):
+                units += [(u, s, boundary, fqn, r, ep) for u, s, r in
+                          expert_units(fqn, shape, slots // ep_size, ep * per, per)]
+        elif len(shape) == 3:
+            units += [(u, s, boundary, fqn, r, None)
+                      for u, s, r in expert_units(fqn, shape, slots)]
         else:
-            units.append((fqn, tuple(shape), boundary, fqn, None))
+            units.append((fqn, tuple(shape), boundary, fqn, None, None))
     return units
+
+
+def _owners_in_expert_order(units: list[tuple], owners: dict[str, int],
+                            shard_size: int) -> None:
+    """An expert-parallel param's slices of one EP coordinate take the owners LPT chose
+    for them in expert order: by shard column, then replica. Each column's experts are
+    then contiguous in the param, so its boundary gathers them straight into the
+    param's own storage (no packed buffer beside it); the owners, and so the balance
+    and the distinct owners of a boundary, stay as chosen."""
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for unit, _, _, fqn, _, ep in units:
+        if ep is not None:
+            groups[(fqn, ep)].append(unit)
+    for slices in groups.values():
+        chosen = sorted((owners[u] for u in slices),
+                        key=lambda slot: (slot % shard_size, slot // shard_size))
+        owners.update(zip(slices, chosen))
+
+
+def check_ep(shape_of: dict[str, tuple], ep_params, shard_size: int, ep_size: int) -> None:
+    """Refuse an EP degree that does not divide the shard group or an expert count."""
+    if ep_size < 1 or shard_size % ep_size:
+        raise ValueError(f"ep_size={ep_size} must divide the shard group's {shard_size} "
+                         "ranks (the EP group lies inside it)")
+    for fqn in ep_params:
+        if int(shape_of[fqn][0]) % ep_size:
+            raise ValueError(f"'{fqn}': its {shape_of[fqn][0]} experts do not divide "
+                             f"over ep_size={ep_size}")
 
 
 def plan_from_shapes(
@@ -301,37 +361,62 @@ def plan_from_shapes(
     shard_size: int,
     replicate_size: int = 1,
     ns_steps: int = 5,
+    ep_params=(),
+    ep_size: int = 1,
 ) -> DedicationPlan:
-    """Plan from (fqn, shape, boundary) triples in registration order."""
+    """Plan from (fqn, shape, boundary) triples in registration order (``ep_params``:
+    the expert-parallel 3-D params, their shapes the whole layer's)."""
     if shard_size < 1 or replicate_size < 1:
         raise ValueError(f"shard_size={shard_size}, replicate_size={replicate_size} must be >= 1")
+    check_ep({e[0]: e[1] for e in entries}, ep_params, shard_size, ep_size)
     slots = shard_size * replicate_size
-    units = plan_units(entries, slots)
+    units = plan_units(entries, slots, ep_params, ep_size)
     numels = {u[0]: _numel(u[1]) for u in units}
     flops = {u[0]: ns_flops(u[1], ns_steps) for u in units}
-    owners = lpt_assign([(u[0], flops[u[0]], numels[u[0]], u[2]) for u in units], slots)
-    plan = DedicationPlan(shard_size, replicate_size)
-    for unit, shape, boundary, fqn, experts in units:
+    allowed = {u[0]: ep_slots(shard_size, replicate_size, ep_size, u[5])
+               for u in units if u[5] is not None}
+    owners = lpt_assign([(u[0], flops[u[0]], numels[u[0]], u[2]) for u in units], slots,
+                        allowed)
+    _owners_in_expert_order(units, owners, shard_size)
+    plan = DedicationPlan(shard_size, replicate_size, ep_size=ep_size)
+    for unit, shape, boundary, fqn, experts, ep in units:
         slot = owners[unit]
         plan.params[unit] = Assignment(
             fqn=unit, shape=tuple(shape), boundary=boundary, owner=slot,
             owner_coord=(slot // shard_size, slot % shard_size), numel=numels[unit],
-            ns_flops=flops[unit], param=fqn, experts=experts,
+            ns_flops=flops[unit], param=fqn, experts=experts, ep=ep,
         )
     return plan
 
 
+def whole_shape(p) -> tuple[int, ...]:
+    """A param's shape; an expert-parallel one's with the whole layer's experts."""
+    mark = getattr(p, EP_ATTR, None)
+    return (mark[0], *p.shape[1:]) if mark else tuple(p.shape)
+
+
 def model_entries(model: nn.Module, predicate, hook_boundary_predicate=None,
                   hook_boundary_strict: bool = True) -> list[tuple[str, tuple, str]]:
-    """(fqn, shape, hook boundary) of each Muon-target param, in registration order."""
+    """(fqn, shape, hook boundary) of each Muon-target param, in registration order (an
+    expert-parallel param with the whole layer's shape)."""
     entries = [
-        (name, tuple(p.shape), resolve_boundary(model, name, hook_boundary_predicate,
-                                                 hook_boundary_strict))
+        (name, whole_shape(p), resolve_boundary(model, name, hook_boundary_predicate,
+                                                  hook_boundary_strict))
         for name, p in select_params(model, predicate)
     ]
     if not entries:
         raise ValueError("predicate selected no parameters for DMuon")
     return entries
+
+
+def model_ep(model: nn.Module, predicate) -> tuple[frozenset, int]:
+    """(the expert-parallel Muon-target params, their EP degree; 1 without)."""
+    marks = {name: getattr(p, EP_ATTR) for name, p in model.named_parameters()
+             if getattr(p, EP_ATTR, None) and predicate(name, p)}
+    sizes = {m[1] for m in marks.values()}
+    if len(sizes) > 1:
+        raise ValueError(f"expert params sharded over different EP degrees {sorted(sizes)}")
+    return frozenset(marks), sizes.pop() if sizes else 1
 
 
 def partition(
@@ -345,7 +430,9 @@ def partition(
 ) -> DedicationPlan:
     """The plan ``dedicate_params`` would make, without a process group (meta models)."""
     entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
-    return plan_from_shapes(entries, shard_size, replicate_size)
+    ep_params, ep_size = model_ep(model, predicate)
+    return plan_from_shapes(entries, shard_size, replicate_size, ep_params=ep_params,
+                            ep_size=ep_size)
 
 
 class PlanMismatch(ValueError):
@@ -374,20 +461,25 @@ def _first_difference(stored: list[tuple], live: list[tuple]) -> str | None:
 
 
 def check_plan(plan: DedicationPlan, entries: list[tuple], shard_size: int,
-               replicate_size: int) -> None:
+               replicate_size: int, ep_params=(), ep_size: int = 1) -> None:
     """Refuse, naming the first mismatch, a stored plan for another mesh or model."""
     if (plan.replicate_size, plan.shard_size) != (replicate_size, shard_size):
         raise PlanMismatch(
             f"the plan is for a {plan.replicate_size} x {plan.shard_size} (replicate x "
             f"shard) mesh; this one is {replicate_size} x {shard_size}")
-    live = [(u, tuple(s), b) for u, s, b, *_ in plan_units(entries, plan.world_size)]
+    if plan.ep_size != ep_size:
+        raise PlanMismatch(f"the plan is for EP {plan.ep_size}; this model's experts are "
+                           f"sharded over EP {ep_size}")
+    live = [(u, tuple(s), b) for u, s, b, *_ in
+            plan_units(entries, plan.world_size, ep_params, ep_size)]
     stored = [(a.fqn, tuple(a.shape), a.boundary) for a in plan.params.values()]
     found = _first_difference(stored, live)
     if found is not None:
         raise PlanMismatch(f"the plan does not match the model: {found}")
     for a in plan.params.values():
         if not 0 <= a.owner < plan.world_size or \
-                a.owner_coord != divmod(a.owner, plan.shard_size):
+                a.owner_coord != divmod(a.owner, plan.shard_size) or \
+                (a.ep is not None and a.owner_coord[1] % ep_size != a.ep):
             raise PlanMismatch(f"'{a.fqn}': owner {a.owner} at {a.owner_coord} is not a "
                                f"rank of a {replicate_size} x {shard_size} mesh")
 

@@ -121,9 +121,11 @@ class GradientReduce:
 
     # -- the collectives -------------------------------------------------------------
     def _issue(self, b: Boundary) -> None:
-        ctx, flat = self.ctx, b.take_gradient()
+        # the boundary's groups (an expert-parallel one's: the expert shard group), the
+        # divisor the whole data-parallel world's: every rank's tokens reached its experts
+        ctx, flat = b.ctx, b.take_gradient()
         self._finished = False
-        before, _ = divide_factors(ctx.shard_size * ctx.replicate_size, flat.dtype)
+        before, _ = divide_factors(self.ctx.shard_size * self.ctx.replicate_size, flat.dtype)
         if before > 1:
             flat.div_(before)
         # the sum of a gradient is finite exactly when its elements are (no overflow at
@@ -149,7 +151,7 @@ class GradientReduce:
         for n, item in enumerate(waiting):
             if not (block or n < len(waiting) - 1 or item.column.done()):
                 return
-            b = item.boundary
+            b = item.boundary  # the replicate group is the same for every boundary
             item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
                                          dtype=item.column_out.dtype, device=ctx.device)
             with ctx.streams.issuing("reduce") as issued:

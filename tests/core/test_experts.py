@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from _layer_stack import LayerStack
 from _train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 
@@ -46,23 +47,13 @@ class LoopLayer(nn.Module):
         return x + self.proj(out / E)
 
 
-class MoE(nn.Module):
-    def __init__(self, layer_cls=ExpertLayer):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, D)
-        self.layers = nn.ModuleList(layer_cls() for _ in range(LAYERS))
-        self.head = nn.Linear(D, VOCAB, bias=False)
-
-    def forward(self, tokens):
-        h = self.embed(tokens)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+def moe() -> LayerStack:
+    return LayerStack(ExpertLayer, LAYERS, VOCAB, D)
 
 
-def build(seed=0) -> MoE:
+def build(seed=0) -> LayerStack:
     torch.manual_seed(seed)
-    model = MoE().double()
+    model = moe().double()
     with torch.no_grad():
         for layer in model.layers:
             layer.up.normal_(0, 0.2)
