@@ -28,13 +28,14 @@ bench/results/. Not a test: what was measured is reported, whatever it is.
 from __future__ import annotations
 
 import argparse
+import inspect
 import time
 
 import torch
 
+import dmuon
 from bench.convergence import BATCH, SEQ
 from bench.convergence import _spec as convergence_spec
-from dmuon import normuon
 
 LR, HIGH_LR = 0.02, 0.2  # Muon's lr; AdamW's part (embeddings, head, norms) 3e-3 always
 # The built-in model's logits are small: its max logit starts at 0.47 and, at LR, peaks
@@ -43,6 +44,7 @@ LR, HIGH_LR = 0.02, 0.2  # Muon's lr; AdamW's part (embeddings, head, norms) 3e-
 # what training at the normal lr reaches, so the clip acts on the growth the high lr
 # adds and would leave the normal run alone.
 TAU = 25.0
+BETA2 = inspect.signature(dmuon.Muon).parameters["beta2"].default
 NO_CLIP = 1e9  # the spec's largest tau: no logit of these models comes near it
 VAL_EVERY = 20
 # (name, variant, lr, tau): a - plain Muon high, b - QK-clip high, c - NorMuon vs Muon
@@ -131,7 +133,7 @@ def notes(rows: list[dict], args) -> str:
     out = [f"Built-in `{args.preset}` model, {args.steps} steps of {BATCH} x {SEQ} tokens, "
            f"seed {args.seed}, fp32, one thread; tau = {TAU:g} for QK-clip "
            f"(runs without clipping track the max logits with tau = {NO_CLIP:g}); NorMuon "
-           f"with its authors' beta2 = {normuon.BETA2:g}, eps = {normuon.EPS:g} "
+           f"with its authors' beta2 = {BETA2:g} (dmuon.Muon's default) and eps = 1e-10 "
            "(arXiv 2510.05491).",
            "A step's max logit is the largest pre-softmax logit of any head in that step's "
            "forward: the weights left by the previous step's update and clip, on this "
