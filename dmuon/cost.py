@@ -4,7 +4,8 @@ plan alone, so a 70B layout can be costed on a laptop.
 
 Per step, rank (r, s) of an R x N layout moves, with P the Muon-target elements:
 - shard: all-gather (N-1)/N x P x param bytes in forward, again in backward under Z3,
-  reduce-scatter (N-1)/N x P x reduce bytes, and all-reduces of 2(N-1)/N x 4 bytes per
+  reduce-scatter (N-1)/N x P x reduce bytes (expert parallelism: the dense units over
+  the N ranks, one coordinate's experts over its N/EP), and all-reduces of 2(N-1)/N x 4 bytes per
   flag: one per unit (which units got a gradient anywhere), one per rank and one more
   (which ranks' gradients were not finite), then after NS one (an update not finite);
 - replicate (R > 1): reduce-scatter (R-1)/R x C_s x reduce bytes and, after the step,
@@ -38,13 +39,25 @@ def column_elements(plan: DedicationPlan) -> list[int]:
     return out
 
 
+def gathered_elements(plan: DedicationPlan) -> tuple[int, int]:
+    """(the dense units' elements, one EP coordinate's expert units' elements): what a
+    rank gathers over its shard group and over its expert shard group (every coordinate
+    holds E/P experts of each layer, so the same count)."""
+    dense = sum(a.numel for a in plan.params.values() if a.ep is None)
+    experts = sum(a.numel for a in plan.params.values() if a.ep is not None)
+    return dense, experts // plan.ep_size
+
+
 def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes: int,
                       reduce_bytes: int) -> dict[str, dict[str, int | float]]:
-    """``{dim: {phase: bytes}}`` of one training step on ``rank``."""
+    """``{dim: {phase: bytes}}`` of one training step on ``rank`` (the ``ep`` dim's
+    token all-to-alls depend on the model and its routing, not the plan: not here)."""
     n, r = plan.shard_size, plan.replicate_size
-    p_m, flags = plan.total_elements, presence_flags(plan)
+    flags, m = presence_flags(plan), n // plan.ep_size
+    dense, experts = gathered_elements(plan)
     share = Fraction(n - 1, n)
-    shard = {"forward": share * p_m * param_bytes, "reduce": share * p_m * reduce_bytes,
+    moved = share * dense + Fraction(m - 1, m) * experts  # expert shard group: m ranks
+    shard = {"forward": moved * param_bytes, "reduce": moved * reduce_bytes,
              "step": 2 * share * flags * PRESENCE_BYTES}
     if z3:
         shard["backward"] = shard["forward"]
@@ -61,8 +74,11 @@ def ledger_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
 
 
 def boundary_elements(plan: DedicationPlan) -> list[int]:
-    """Elements of each hook boundary, in forward order."""
-    return [sum(plan.params[u].numel for u in units) for units in plan.boundaries.values()]
+    """Elements of each hook boundary on a rank, in forward order (an expert-parallel
+    boundary's: one EP coordinate's)."""
+    return [sum(plan.params[u].numel for u in units)
+            // (plan.ep_size if plan.params[units[0]].ep is not None else 1)
+            for units in plan.boundaries.values()]
 
 
 def packed_peak_bytes(plan: DedicationPlan, *, z3: bool, prefetch: int,
@@ -82,6 +98,6 @@ def memory_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
     owned = plan.elements_per_rank[rank]
     column = column_elements(plan)[rank % plan.shard_size]
     masters_apart = owned * master_bytes if master_bytes != param_bytes else 0
-    return {"packed_buffers": 0 if z3 else plan.total_elements * param_bytes,
+    return {"packed_buffers": 0 if z3 else sum(gathered_elements(plan)) * param_bytes,
             "owned_params": column * param_bytes + masters_apart,
             "momentum": owned * master_bytes}

@@ -11,6 +11,7 @@ from .cost import (
     boundary_elements,
     column_elements,
     exact,
+    gathered_elements,
     ledger_prediction,
     memory_prediction,
     packed_peak_bytes,
@@ -25,7 +26,7 @@ from .tp import GATHER, GRAM_ALLREDUCE, mode_of, ns_bytes, peer_ns_flops
 __all__ = [
     "Assignment", "DedicationPlan", "GATHER", "GRAM_ALLREDUCE", "PRESENCE_BYTES",
     "PlanMismatch", "boundary_elements", "canonical_fqn", "check_plan", "column_elements",
-    "exact", "gram_matmuls", "is_dedicated", "ledger_prediction", "memory_prediction",
+    "exact", "gathered_elements", "gram_matmuls", "is_dedicated", "ledger_prediction", "memory_prediction",
     "mode_of", "model_entries", "ns_bytes", "ns_flops", "packed_peak_bytes", "peer_ns_flops",
     "presence_flags", "restart_index",
 ]

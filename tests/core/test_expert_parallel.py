@@ -214,6 +214,7 @@ def _train(rank, world, layout_id, path=None, save_at=None, load=False):
     out["ledger"] = {(d, p): ledger.last_step(d, p) for d in ("shard", "ep")
                      for p in ("forward", "backward", "reduce")}
     out["expert_peak"] = peak[0]
+    out["by_phase"], out["memory"] = ledger.last_step_by_phase(), dmuon.memory_report(model, opt)
     out["expert_resident"] = sum(b.resident_bytes() for b in dmuon.get_state(model).boundaries
                                  if b.ctx is dmuon.get_state(model).expert_ctx)
     return {**out, "full": dmuon.full_state_dict(model), "plan": plan.to_dict(),
@@ -332,3 +333,23 @@ def test_a_ranks_expert_storage_stays_within_one_layers_experts_and_its_share():
     for res in trained("ep2x2"):
         assert 0 < res["expert_peak"] <= layer, (res["expert_peak"], layer)
         assert res["expert_resident"] == LAYERS * layer * P // N, res["expert_resident"]
+
+
+@pytest.mark.parametrize("layout_id", ["ep2x2", "hsdp2x2_ep2", "ep2x2_z2"])
+def test_the_planners_predictions_are_what_each_rank_measured(layout_id):
+    """``dmuon.planning``'s bytes per step on the shard and replicate dims (the step's
+    flags aside: the test clips) and resident memory, from the plan alone."""
+    from dmuon import planning
+
+    z3 = LAYOUTS[layout_id][3]
+    for rank, res in enumerate(trained(layout_id)):
+        plan = planning.DedicationPlan.from_dict(res["plan"])
+        predicted = planning.ledger_prediction(plan, rank, z3=z3, param_bytes=8,
+                                               reduce_bytes=8)
+        for dim, phases in predicted.items():
+            want = {k: v for k, v in phases.items() if k != "step"}
+            got = {k: v for k, v in res["by_phase"][dim].items() if k != "step"}
+            assert got == want, (layout_id, rank, dim)
+        memory = planning.memory_prediction(plan, rank, z3=z3, param_bytes=8,
+                                            master_bytes=8)
+        assert {k: res["memory"][k] for k in memory} == memory, (layout_id, rank)
