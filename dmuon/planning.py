@@ -26,7 +26,7 @@ from .tp import GATHER, GRAM_ALLREDUCE, mode_of, ns_bytes, peer_ns_flops
 __all__ = [
     "Assignment", "DedicationPlan", "GATHER", "GRAM_ALLREDUCE", "PRESENCE_BYTES",
     "PlanMismatch", "boundary_elements", "canonical_fqn", "check_plan", "column_elements",
-    "exact", "gathered_elements", "gram_matmuls", "is_dedicated", "ledger_prediction", "memory_prediction",
-    "mode_of", "model_entries", "ns_bytes", "ns_flops", "packed_peak_bytes", "peer_ns_flops",
+    "exact", "gathered_elements", "gram_matmuls", "is_dedicated", "ledger_prediction",
+    "memory_prediction", "mode_of", "model_entries", "ns_bytes", "ns_flops", "packed_peak_bytes", "peer_ns_flops",
     "presence_flags", "restart_index",
 ]
