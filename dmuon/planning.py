@@ -27,6 +27,6 @@ __all__ = [
     "Assignment", "DedicationPlan", "GATHER", "GRAM_ALLREDUCE", "PRESENCE_BYTES",
     "PlanMismatch", "boundary_elements", "canonical_fqn", "check_plan", "column_elements",
     "exact", "gathered_elements", "gram_matmuls", "is_dedicated", "ledger_prediction",
-    "memory_prediction", "mode_of", "model_entries", "ns_bytes", "ns_flops", "packed_peak_bytes", "peer_ns_flops",
-    "presence_flags", "restart_index",
+    "memory_prediction", "mode_of", "model_entries", "ns_bytes", "ns_flops",
+    "packed_peak_bytes", "peer_ns_flops", "presence_flags", "restart_index",
 ]
