@@ -241,16 +241,17 @@ class Boundary:
             # Waited for here, on CUDA only the gather stream waits: a prefetch issued in
             # boundary k's pre-forward must not hold k's compute until k+1's replicate lands
             self.wait_replicate()
+            sent = [self.column_values]
             if self.direct:
-                work = self._gather_experts(phase)
+                work = self._gather_experts(phase, sent)
             else:
                 work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
                                          ctx.shard_group, ctx.ledger, "shard", phase)
-        self.gather = comm.Pending(work, *self._storages(), self.column_values,
-                                   issued=issued)
+        self.gather = comm.Pending(work, *self._storages(), *sent, issued=issued)
 
-    def _gather_experts(self, phase: str):
-        """One all-gather per param, each column's experts straight into their place."""
+    def _gather_experts(self, phase: str, sent: list):
+        """One all-gather per param, each column's experts straight into their place
+        (``sent`` keeps what they read alive until they are waited for)."""
         ctx, works = self.ctx, []
         for p in self.params:
             parts = [m for m in self.members if m.param is p]
@@ -259,6 +260,7 @@ class Boundary:
             views = [self._column_view(m).reshape(-1) for m in parts if m in self.column]
             mine = views[0] if len(views) == 1 else torch.cat(views) if views else \
                 self.column_values[:0]
+            sent.append(mine)
             works.append(comm.all_gather_v(self.expert_bases[id(p)].view(-1), sizes, mine,
                                            ctx.shard_group, ctx.ledger, "shard", phase))
         return comm.all_of(works)
