@@ -4,11 +4,12 @@ dispatched over the EP group (``dmuon.dispatch_combine``) and each EP coordinate
 experts owned inside its expert shard group. Against a single-process reference written
 here (one 2-D parameter per expert, torch.optim.Muon + AdamW, every token through its
 experts in a loop), 10 steps, every param on every rank within 1e-9, as EP 2 x expert
-shard 2, EP 4, and HSDP 2 x 2 with EP 2; Z2 bitwise equal to Z3, a synchronous replicate
-all-gather to the asynchronous one. At step 4 the router sends no token to expert 5 on
-any rank: it gets no gradient anywhere and is left alone, as torch.optim leaves a param
-without one. Then the ledger, the expert storage peak, and an EP 2 checkpoint loaded on
-EP 1 and EP 4."""
+shard 2, EP 4, HSDP 2 x 2 with EP 2, and 1 x 2 x 2 with TP (the dense projection split,
+the experts EP 2 over the shard group and whole on each TP rank); Z2 bitwise equal to
+Z3, a synchronous replicate all-gather to the asynchronous one. At step 4 the router
+sends no token to expert 5 on any rank: it gets no gradient anywhere and is left alone,
+as torch.optim leaves a param without one. Then the ledger, the expert storage peak,
+the planner's predictions, and an EP 2 checkpoint loaded on EP 1 and EP 4."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ NO_CLIP = 1e9  # clip_grad_norm_ for the norm alone
 # (replicate, shard, ep, z3)
 LAYOUTS = {"ep2x2": (1, 4, 2, True), "ep4": (1, 4, 4, True), "hsdp2x2_ep2": (2, 2, 2, True),
            "ep2x2_z2": (1, 4, 2, False), "ep1": (1, 4, 1, True),
-           "hsdp2x2_ep2_sync": (2, 2, 2, True)}  # the replicate all-gather waited for
+           "hsdp2x2_ep2_sync": (2, 2, 2, True),  # the replicate all-gather waited for
+           "tp1x2x2_ep2": (1, 2, 2, True)}  # 2 TP ranks each: the 4 ranks' rest
 SAVE_AT = 5
 
 
@@ -150,20 +152,34 @@ def reference(banned: bool = True) -> tuple[dict, list[float]]:
     return sd, norms
 
 
+def _tensor_parallel(model, mesh) -> None:
+    """Under TP the dense projection is split (colwise, its output gathered) and the
+    experts stay whole on every TP rank, expert-parallel over the shard group."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    for layer in model.layers:
+        parallelize_module(layer, mesh["tp"],
+                           {"proj": ColwiseParallel(output_layouts=Replicate())})
+
+
 def _setup(layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     R, N, P, z3 = layout
-    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    T = 4 // (R * N)
+    mesh = init_device_mesh("cpu", (R, N, T), mesh_dim_names=("replicate", "shard", "tp"))
     with torch.device("meta"):
         model = net().double()
+    if T > 1:
+        _tensor_parallel(model, mesh)
     ep_group = dmuon.shard_experts(model, is_muon, mesh["shard"], ep_size=P)
     for layer in model.layers:
         layer.ep_group = ep_group
     dmuon.dedicate_params(model, mesh["shard"], is_muon, hook_boundary_predicate=is_boundary,
                           replicate_mesh=mesh["replicate"] if R > 1 else None,
                           reshard_after_forward=z3)
-    dp = mesh if R > 1 else mesh["shard"]
+    dp = mesh["replicate", "shard"] if R > 1 or T > 1 else mesh["shard"]
     for layer in model.layers:
         dmuon.fully_shard(layer, mesh=dp, reshard_after_forward=z3)
     dmuon.fully_shard(model, mesh=dp, reshard_after_forward=z3)
@@ -193,7 +209,9 @@ def _train(rank, world, layout_id, path=None, save_at=None, load=False):
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64,
                      replicate_async=not layout_id.endswith("_sync"))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    out, start, per, norms = {}, 0, ROWS // world, []
+    (R, N, *_), dp = LAYOUTS[layout_id], mesh["shard"].get_local_rank()
+    dp += mesh["replicate"].get_local_rank() * N  # a TP group's ranks share their rows
+    out, start, per, norms = {}, 0, ROWS // (R * N), []
     peak = _expert_storage_peak(model)
     if load:
         start = dmuon.checkpoint.load(path, model, opt)["step"]
@@ -202,7 +220,7 @@ def _train(rank, world, layout_id, path=None, save_at=None, load=False):
     for step, (batch, ban) in enumerate(batches()):
         if step < start:
             continue
-        loss_of(model, batch[rank * per:(rank + 1) * per], ban).backward()
+        loss_of(model, batch[dp * per:(dp + 1) * per], ban).backward()
         norms.append(dmuon.clip_grad_norm_(model, NO_CLIP).item())
         opt.step()
         sched.step()
@@ -227,7 +245,7 @@ def trained(layout_id: str, path=None):
     return run(_train, layout_id, path, SAVE_AT if path else None, world_size=4)
 
 
-@pytest.mark.parametrize("layout_id", ["ep2x2", "ep4", "hsdp2x2_ep2"])
+@pytest.mark.parametrize("layout_id", ["ep2x2", "ep4", "hsdp2x2_ep2", "tp1x2x2_ep2"])
 def test_expert_parallel_training_matches_the_float64_reference(layout_id):
     ref, norms = reference()
     for rank, res in enumerate(trained(layout_id)):
