@@ -293,7 +293,7 @@ def test_dmuon_svc_commands_and_options_exist():
 
 
 def test_dmuon_serve_flags_exist():
-    source = (ROOT / "service" / "api" / "serve.py").read_text()
+    source = (ROOT / "service" / "control" / "serve.py").read_text()
     used = {f for d in DOCS for s in code(d)
             for call in re.findall(r"dmuon-serve((?: +--[\w-]+)*)", s)
             for f in call.split()}

@@ -31,7 +31,7 @@ def _readme_job() -> str:
 
 
 def _readme_command() -> list[str]:
-    line = re.search(r"^ {4}(python -m service\.train\.entrypoint --spec job\.yaml)\s+#",
+    line = re.search(r"^ {4}(python -m service\.driver\.job_driver --spec job\.yaml)\s+#",
                      README, re.M).group(1)
     return [sys.executable, *shlex.split(line)[1:]]
 

@@ -5,7 +5,7 @@ absolute paths (the workers get them in their config) and refuses, with the fiel
 path, what cannot run: a path that does not exist or cannot be read, a glob that
 matches nothing, an empty data set or one too short for ``seq_len``, a ``seq_len``
 beyond the model's ``max_position_embeddings``, token ids beyond the model's
-vocabulary, and a tracking sink whose package is not installed (``sinks``).
+vocabulary, and a tracking sink whose package is not installed (``sink_packages``).
 Torch-free: the control plane runs it on submission, the entrypoint again.
 """
 
