@@ -1,5 +1,5 @@
 # DMuon image: the control plane (`dmuon-serve`) and the training entrypoint
-# (`python -m service.train.entrypoint`), on the official Ray image of the pinned Ray version.
+# (`python -m service.driver.job_driver`), on the official Ray image of the pinned Ray version.
 # Tags of rayproject/ray read {ray version}-py{XY}-{cpu|gpu|cuXYZ}; -gpu aliases a CUDA one.
 #
 #   CPU (default): docker build -t REGISTRY/dmuon:0.1.0-cpu .
@@ -40,7 +40,8 @@ COPY --chown=1000:100 service ./service
 RUN python -m pip install --no-cache-dir --no-deps . \
     && rm -rf build ./*.egg-info \
     && mkdir -p /home/ray/dmuon_runs \
-    && python -c "import dmuon, service.train.entrypoint, service.api.serve"
+    && python -c "import dmuon, service.driver.job_driver, service.control.serve" \
+    && python -c "import service.train.entrypoint"
 
 COPY --chown=1000:100 --chmod=755 deploy/docker-entrypoint.sh /usr/local/bin/dmuon-entrypoint
 

@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 import dmuon
 from dmuon import adjusted_lr
 from dmuon.testing import probe_point
-from service.models.builtin import build_model, get_config
-from service.models.params import split_params
+from service.job.models.builtin import build_model, get_config
+from service.job.models.params import split_params
 
 NS_DTYPE = torch.float32  # bf16 matmuls are emulated (3x to 58x slower) on these CPUs
 

@@ -26,8 +26,8 @@ import tempfile
 
 import requests
 
-from service.api.ray_head import free_port
-from service.api.serve import wait_healthy
+from service.control.ray_head import free_port
+from service.control.serve import wait_healthy
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -102,11 +102,11 @@ def main(argv=None) -> None:
     tmp = tempfile.mkdtemp(prefix="dmuon-bench-api-")
     rows, server, tree = [], None, None
     try:
-        rows.append(measure("this tree, SQLite", ROOT, "service.api.serve",
+        rows.append(measure("this tree, SQLite", ROOT, "service.control.serve",
                             {"DMUON_DB": f"{tmp}/new.db", "DMUON_STORAGE": tmp}))
         if not args.skip_postgres:
             server, url = _postgres_url(tmp)
-            rows.append(measure("this tree, PostgreSQL", ROOT, "service.api.serve",
+            rows.append(measure("this tree, PostgreSQL", ROOT, "service.control.serve",
                                 {"DMUON_DATABASE_URL": url, "DMUON_STORAGE": tmp}))
         if not args.skip_baseline:
             tree = _baseline_tree(tmp)

@@ -18,8 +18,8 @@ import dmuon
 from bench._record import write_record
 from bench._setups import NS_DTYPE
 from dmuon.testing import run
-from service.models.builtin import build_model, causal_lm_loss, get_config
-from service.models.params import split_params
+from service.job.models.builtin import build_model, causal_lm_loss, get_config
+from service.job.models.params import split_params
 
 FORMS = ("eager", "torch.compile(block)", "block.compile()")
 

@@ -47,8 +47,8 @@ def _spec(optimizer: str, lr: float, steps: int, seed: int) -> dict:
 def _dmuon_run(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     torch.set_num_threads(2)
     curve, clock = [], [0.0]
@@ -66,11 +66,11 @@ def _dmuon_run(rank, world, spec_data):
 def _adamw_run(rank, world, spec_data):
     """The same loop (data, schedule, clipping, validation) with torch.optim.AdamW on
     every parameter of a plain module."""
-    from service.models.builtin import build_model, causal_lm_loss
-    from service.spec import parse_spec
-    from service.train.data import Batches
-    from service.train.loop import BUILTIN_INPUTS
-    from service.train.recipe import lr_factor
+    from service.job.models.builtin import build_model, causal_lm_loss
+    from service.job.spec import parse_spec
+    from service.worker.batches import Batches
+    from service.worker.loop import BUILTIN_INPUTS
+    from service.worker.training_recipe import lr_factor
 
     torch.set_num_threads(2)
     spec = parse_spec(spec_data)

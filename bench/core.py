@@ -26,9 +26,9 @@ import torch.distributed as dist
 import dmuon
 from bench._setups import NS_DTYPE, SETUPS, NSClock, build, shared_cores, take_turns
 from dmuon.testing import run
-from service.models.builtin import build_model, causal_lm_loss, get_config
-from service.models.params import split_params
-from service.train.corpus import batch_at, load_corpus
+from service.job.models.builtin import build_model, causal_lm_loss, get_config
+from service.job.models.params import split_params
+from service.worker.corpus import batch_at, load_corpus
 
 CONFIGS = ("fsdp2_adamw", "naive_fsdp2_muon", "dmuon_z2", "dmuon_z3",
            "dmuon_z3_hsdp2x2_sync", "dmuon_z3_hsdp2x2_async")

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 
 from bench._record import write_record
-from service.plan.elastic import elastic_document
-from service.plan.inventory import synthetic_inventory
-from service.plan.modes import GB
-from service.spec import SpecError, parse_spec
+from service.job.plan.elastic import elastic_document
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.modes import GB
+from service.job.spec import SpecError, parse_spec
 
 # 3360 = 8 x lcm(1..7): 1 to 7 hosts of 8 GPUs split it evenly, 8 hosts (64) do not
 GLOBAL_ROWS, SEQ = 3360, 8192
@@ -79,7 +79,7 @@ def main(argv=None) -> None:
                  f"{args.max_nodes} hosts of 8 x 80 GB", table, {"rows": rows},
                  notes=f"Global batch {GLOBAL_ROWS} x {SEQ} tokens; resident: the worst "
                  "rank's tensors at rest after a step (dmuon.MEMORY_KINDS); peak: the mode's "
-                 "estimate with activations (service.plan.modes).")
+                 "estimate with activations (service.job.plan.modes).")
 
 
 if __name__ == "__main__":

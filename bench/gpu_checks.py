@@ -22,7 +22,7 @@ from bench.gpu_train import (
     train,
 )
 from dmuon.testing import probe_point
-from service.models.params import split_params
+from service.job.models.params import split_params
 
 STEPS = 4  # CUDA graph trees warm up, record, then replay: 4 steps replay twice
 SLEEP_CYCLES = 20_000_000  # a spin kernel of about 10 ms at the H200's 1.98 GHz

@@ -23,7 +23,7 @@ from bench.gpu_train import (
     release,
     step,
 )
-from service.models.builtin import get_config, num_params
+from service.job.models.builtin import get_config, num_params
 
 SETUPS = {"dmuon_z3": build_dmuon, "fsdp2_adamw": build_fsdp2_adamw}
 

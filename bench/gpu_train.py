@@ -15,8 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 import dmuon
-from service.models.builtin import ModelConfig, build_model, causal_lm_loss, get_config
-from service.models.params import split_params
+from service.job.models.builtin import ModelConfig, build_model, causal_lm_loss, get_config
+from service.job.models.params import split_params
 
 # (b)-(d) on a model small enough to compile in a minute; (e) at about 1B params
 # (20 Llama-3-style layers of d = 2,048, GQA 16/4 heads, vocabulary 32,000: 1.03B)

@@ -8,10 +8,10 @@ from __future__ import annotations
 import json
 import pathlib
 
-from service.plan.inventory import synthetic_inventory
-from service.plan.modes import GB
-from service.plan.predict import predict
-from service.spec import parse_spec
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.modes import GB
+from service.job.plan.predict import predict
+from service.job.spec import parse_spec
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

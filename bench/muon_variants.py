@@ -69,8 +69,8 @@ def _run(rank, world, spec_data):
     step time, val loss or None)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     torch.set_num_threads(1)  # the machine's other core is someone else's
     steps = []

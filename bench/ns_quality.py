@@ -29,7 +29,7 @@ def _process_group() -> None:
     """A one-rank gloo group for this worker process (once)."""
     import torch.distributed as dist
 
-    from service.api.ray_head import free_port
+    from service.control.ray_head import free_port
 
     if not dist.is_initialized():
         dist.init_process_group("gloo", rank=0, world_size=1,
@@ -42,9 +42,9 @@ def train(backend: str, coefficients: str, seed: int, steps: int, batch: int, se
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.models.builtin import build_model, causal_lm_loss
-    from service.models.params import split_params
-    from service.train.corpus import batch_at, load_corpus
+    from service.job.models.builtin import build_model, causal_lm_loss
+    from service.job.models.params import split_params
+    from service.worker.corpus import batch_at, load_corpus
 
     torch.set_num_threads(1)
     _process_group()

@@ -119,8 +119,8 @@ def _worker(rank, world, rounds, steps, batch, seq, fsdp_layers, shared_bucket):
 
     from bench._setups import SETUPS as ALL
     from bench._setups import NSClock, build, take_turns
-    from service.models.builtin import causal_lm_loss
-    from service.train.corpus import batch_at, load_corpus
+    from service.job.models.builtin import causal_lm_loss
+    from service.worker.corpus import batch_at, load_corpus
 
     waits, clock, bucket = Waits(), NSClock(), BucketBytes(shared_bucket and rank == 0)
     corpus = load_corpus("train", max_bytes=1_000_000)

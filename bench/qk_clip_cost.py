@@ -16,7 +16,7 @@ import time
 import torch
 
 import dmuon
-from service.models.builtin import build_model, causal_lm_loss
+from service.job.models.builtin import build_model, causal_lm_loss
 
 PRESETS, BATCH, REPEATS = ("tiny", "small"), 8, 7
 

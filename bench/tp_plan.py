@@ -18,11 +18,11 @@ from __future__ import annotations
 import argparse
 
 from bench._record import write_record
-from service.plan.inventory import synthetic_inventory
-from service.plan.layout import PlacementError
-from service.plan.modes import GB
-from service.plan.predict import needed_bytes, predict
-from service.spec import SpecError, parse_spec
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.layout_choice import PlacementError
+from service.job.plan.modes import GB
+from service.job.plan.predict import needed_bytes, predict
+from service.job.spec import SpecError, parse_spec
 
 GLOBAL_ROWS, SEQ, GPUS_PER_HOST = 64, 8192, 8
 # Llama 3.1 405B's published shapes (config.json); 8B and 70B are the built-in presets
@@ -169,16 +169,16 @@ micro-batch (more data-parallel ranks: fewer micro-batches). A host count is tri
 its data-parallel ranks (hosts x 8 / T) divide the 64 sequences; at each, HSDP (one
 replica per host, sharded over the host's 8 / T shard ranks) first, else FSDP over every
 host (`replicate: 1`). Resident: the worst rank's tensors at rest after a step
-(dmuon.MEMORY_KINDS); peak: the mode's estimate with activations (service.plan.modes),
+(dmuon.MEMORY_KINDS); peak: the mode's estimate with activations (service.job.plan.modes),
 against 90% of the device. Comm: the slowest rank's bytes per step over 450 GB/s NVLink
 (tp, and shard within a host) and 50 GB/s InfiniBand (replicate, and shard over hosts:
 FSDP), one after the other, nothing overlapped.
 
-**The head's logits.** `service.models.tp` plans the head `ColwiseParallel(output_layouts=
+**The head's logits.** `service.job.models.tp_plans` plans the head `ColwiseParallel(output_layouts=
 Shard(-1))` and the loss runs under `loss_parallel()` (torchtitan's loss parallel): each TP
 rank holds 1/T of the `[rows, seq, vocab]` logits and their fp32 copy (the logits GB
 column, per rank: 6.3 GB per sequence of 8192 at vocabulary 128256, over T). The planner
-counts them that way (`service.plan.tp.logits_split`). Until 2026-12-04 the head gathered
+counts them that way (`service.job.plan.tp_costs.logits_split`). Until 2026-12-04 the head gathered
 them whole on every TP rank (`bench/results/tp_plan_x86_64-2cpu_2026-12-03.md`).
 
 **Where torchtitan's published layouts sit** ({TORCHTITAN}, and the llama3

@@ -1,6 +1,6 @@
 """Run a function on N gloo processes on this machine's loopback, for tests and benchmarks.
 
-Clusters go through Ray (``service.train``); this is the no-Ray way to exercise the core.
+Clusters go through Ray (``service.worker``); this is the no-Ray way to exercise the core.
 Not imported by ``import dmuon``: use ``from dmuon.testing import run``.
 """
 

@@ -1,4 +1,7 @@
-"""The way people run DMuon: job specs (``spec``), their inputs (``inputs``), the
-models (``models``), the plan made once per job (``plan``), the cluster (``cluster``),
-the control plane (``api``, ``cli``) and what runs on Ray (``train``). See
-docs/architecture.md."""
+"""The way people run DMuon, in four sides whose imports point one way
+(control -> job <- driver -> worker -> job -> dmuon, ``tests/test_architecture.py``):
+``job`` (the spec, its inputs, the models and the plan: no Ray, FastAPI, SQLAlchemy or
+click), ``control`` (the REST control plane, its store, the submitter, the dashboard and
+the CLI), ``driver`` (the Ray job's driver and the Ray Train controller's callbacks) and
+``worker`` (what each Ray Train worker runs). ``dev`` holds the demos; ``train`` the old
+path of the driver, ``service.train.entrypoint``. See docs/architecture.md."""

@@ -19,7 +19,7 @@ import shutil
 import tempfile
 
 from dmuon.testing import run
-from service.spec import parse_spec
+from service.job.spec import parse_spec
 
 SPEC = {"model": "tiny", "steps": 10, "batch_size": 2, "seq_len": 32, "seed": 3,
         "precision": "float64", "global_batch_tokens": 12 * 32,
@@ -55,11 +55,11 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
     import torch.distributed as dist
 
     import dmuon
-    from service.inputs import resolve_inputs
-    from service.plan.inventory import synthetic_inventory
-    from service.plan.make import plan_document
-    from service.train.capacity import CapacityWatch
-    from service.train.loop import run_training
+    from service.job.inputs import resolve_inputs
+    from service.job.plan.inventory import synthetic_inventory
+    from service.job.plan.make import plan_document
+    from service.worker.capacity import CapacityWatch
+    from service.worker.loop import run_training
 
     spec = parse_spec({**spec_data, "checkpoint": {**spec_data["checkpoint"],
                                                    "interval": interval,
@@ -71,7 +71,7 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
     job_dir = os.path.join(storage, job_id)
     records = []
 
-    def report(record, path):  # the controller's spool (service.train.reports), rank 0's
+    def report(record, path):  # the controller's spool (service.driver.reports), rank 0's
         records.append(record)
         if rank == 0:
             with open(os.path.join(job_dir, "metrics.jsonl"), "a") as fh:

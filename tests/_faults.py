@@ -6,7 +6,7 @@ entrypoint and service, so production code carries no test hook.
 while ``<dir>/step_<s>`` exists, so a test can inject a fault at an exact step however
 far the metrics lag behind the workers.
 
-    python tests/_faults.py entrypoint FAULT -- <service.train.entrypoint arguments>
+    python tests/_faults.py entrypoint FAULT -- <service.driver.job_driver arguments>
     python tests/_faults.py serve FAULT -- <dmuon-serve arguments>   (its jobs get FAULT)
 """
 
@@ -39,7 +39,7 @@ def faulty_loop(config: dict, fault: str) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from service.train import loop as train
+    from service.worker import loop as train
 
     report = ray.train.report
 
@@ -54,10 +54,10 @@ def faulty_loop(config: dict, fault: str) -> None:
 
 @contextlib.contextmanager
 def installed(fault: str):
-    """While open, ``service.train.entrypoint.run_job`` trains with ``faulty_loop``."""
+    """While open, ``service.driver.job_driver.run_job`` trains with ``faulty_loop``."""
     import ray.cloudpickle
 
-    from service.train import loop as train
+    from service.worker import loop as train
 
     if __name__ != "__main__":  # workers cannot import tests/: ship this module's code
         ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -72,11 +72,12 @@ def installed(fault: str):
 def main(argv: list[str]) -> int:
     role, fault, _, *rest = argv
     if role == "entrypoint":
-        from service.train import entrypoint
+        from service.driver import job_driver as entrypoint
 
         with installed(fault):
             return entrypoint.main(rest)
-    from service.api import runner, serve
+    from service.control import serve
+    from service.control import submitter as runner
 
     # the service's jobs run this wrapper's entrypoint with the same fault
     runner.ENTRYPOINT = (sys.executable, os.path.abspath(__file__), "entrypoint", fault, "--")

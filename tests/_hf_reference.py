@@ -12,7 +12,7 @@ import torch
 from _train import fp64_newton_schulz
 
 import dmuon
-from service.train.data import Batches
+from service.worker.batches import Batches
 
 LLAMA = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -12,8 +12,8 @@ import time
 
 import requests
 
-from service.api.ray_head import STATE_FILE, free_port, pids_with, stop_recorded
-from service.api.serve import wait_healthy
+from service.control.ray_head import STATE_FILE, free_port, pids_with, stop_recorded
+from service.control.serve import wait_healthy
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -38,7 +38,7 @@ class Service:
         self.env.pop("DMUON_API_TOKEN", None)
         if token is not None:
             self.env["DMUON_API_TOKEN"] = token
-        self.argv = argv or [sys.executable, "-m", "service.api.serve"]
+        self.argv = argv or [sys.executable, "-m", "service.control.serve"]
         self.session = requests.Session()
         self.proc = None
         self.start()
@@ -139,6 +139,6 @@ def head_processes(head: dict) -> set[int]:
 
 def alive(pids) -> set[int]:
     """Those still running (a zombie has ended: it only waits for its parent)."""
-    from service.api.ray_head import _alive
+    from service.control.ray_head import _alive
 
     return {p for p in pids if _alive(p)}

@@ -2,7 +2,7 @@
 
 The same architecture, parameter FQNs (``model.layers.{i}.self_attn.q_proj.weight``, ...),
 shapes, presets and initialisation as the service's built-in model
-(``service/models/builtin.py``), restated here so that the core's tests import nothing from
+(``service/job/models/builtin.py``), restated here so that the core's tests import nothing from
 ``service/``: their exact byte counts and FQN strings are computed from this model.
 """
 

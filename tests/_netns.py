@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 
-from service.api.ray_head import pids_with
+from service.control.ray_head import pids_with
 
 IFACE = "dmnet0"  # the same name in both hosts, so one GLOO_SOCKET_IFNAME serves both
 SUBNET = "10.200.0"

@@ -10,7 +10,7 @@ import subprocess
 import tempfile
 import uuid
 
-from service.api.ray_head import free_port
+from service.control.ray_head import free_port
 
 BIN = "/usr/lib/postgresql/15/bin"
 

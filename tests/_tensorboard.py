@@ -12,7 +12,7 @@ import time
 import requests
 from _servers import Server
 
-from service.api.ray_head import free_port
+from service.control.ray_head import free_port
 
 
 def event_files(log_dir: str) -> list[str]:

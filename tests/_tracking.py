@@ -12,7 +12,7 @@ import sys
 
 from _servers import Server
 
-from service.api.ray_head import free_port
+from service.control.ray_head import free_port
 
 
 class MlflowServer(Server):

@@ -113,7 +113,7 @@ def test_an_entrypoint_registers_only_under_ray_job_submit(monkeypatch, capsys):
     import argparse
     import json as _json
 
-    from service.train import register
+    from service.driver import register
 
     args = argparse.Namespace(job_id=None, plan=None, metrics_url=None, plan_url=None)
     monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")  # nothing listens: never asked
@@ -222,7 +222,7 @@ def test_plan_needs_the_token_and_bodies_are_bounded_before_reading(svc):
 
 def test_empty_token_setting_and_an_open_public_bind_are_refused(tmp_path):
     env = {**os.environ, "DMUON_DB": str(tmp_path / "db.sqlite"), "DMUON_LOCAL_RAY": "0"}
-    serve = [sys.executable, "-m", "service.api.serve", "--port", "9"]
+    serve = [sys.executable, "-m", "service.control.serve", "--port", "9"]
     empty = subprocess.run(serve, env={**env, "DMUON_API_TOKEN": " "}, capture_output=True,
                            text=True, timeout=120)
     assert empty.returncode == 2 and "DMUON_API_TOKEN is set but empty" in empty.stderr
@@ -273,9 +273,9 @@ def test_metric_ingest_refuses_wrong_types_unknown_jobs_and_other_jobs_tokens(sv
 def test_a_posted_record_cannot_hide_the_jobs_own(svc, tmp_path):
     """An injected post first, then the job's spool: the spool's record wins, and the
     event stream sends the correction."""
-    from service.api.records import read_spool
-    from service.api.settings import Settings
-    from service.api.store import JobStore
+    from service.control.settings import Settings
+    from service.control.step_records import read_spool
+    from service.control.store import JobStore
 
     job = _dry(svc)
     fake = {"job_id": job["id"], "step": 1, "rank": 0, "loss": 0.001}
@@ -346,7 +346,7 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
     env = {**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
 
     def cli(*args, **extra):
-        return subprocess.run([sys.executable, "-m", "service.cli", *args],
+        return subprocess.run([sys.executable, "-m", "service.control.cli", *args],
                               env={**env, **extra}, capture_output=True, text=True,
                               timeout=60)
 
@@ -367,7 +367,8 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
 
 
 def test_the_cli_parses_specs_without_torch(tmp_path):
-    code = ("import sys; from service.cli import main; from service.spec import load_spec; "
+    code = ("import sys; from service.control.cli import main; "
+            "from service.job.spec import load_spec; "
             f"load_spec({str(tmp_path / 'job.yaml')!r}); "
             "print('torch' in sys.modules, 'dmuon' in sys.modules)")
     (tmp_path / "job.yaml").write_text("model: tiny\noptimizer: {adamw_betas: [0.9, 0.99]}\n")
@@ -384,9 +385,9 @@ def test_strict_json_helper_refuses_nan():
 def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
     from prometheus_client import generate_latest
 
-    from service.api.records import StepRecord, ingest
-    from service.api.routes.system import registry_for
-    from service.api.store import JobStore
+    from service.control.routes.system import registry_for
+    from service.control.step_records import StepRecord, ingest
+    from service.control.store import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
     try:

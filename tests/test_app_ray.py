@@ -22,8 +22,8 @@ import pytest
 from _browser import ARTIFACTS, page_with_errors
 from _http import Service, alive, head_processes
 
-from service.api.ray_head import STATE_FILE
-from service.failure import strip_ansi
+from service.control.ray_head import STATE_FILE
+from service.job.failure import strip_ansi
 
 SPEC = {"name": "e2e", "model": "tiny", "steps": 16, "batch_size": 2, "seq_len": 32,
         "layout": {"replicate": 2, "shard": 2}, "data": {"val_every": 0}}
@@ -240,7 +240,7 @@ def test_submit_watch_dashboard_follow_events_to_success_and_cancel_another(stac
     info = JobSubmissionClient(dashboard).get_job_info(job["id"])
     assert svc.token not in json.dumps(info.dict(), default=str)  # no admin token in Ray
     streamed = subprocess.run(  # logs -f streams ?follow=true, which ends with the job
-        [sys.executable, "-m", "service.cli", "logs", "-f", job["id"]], capture_output=True,
+        [sys.executable, "-m", "service.control.cli", "logs", "-f", job["id"]], capture_output=True,
         text=True, timeout=120, env={**os.environ, "DMUON_URL": svc.url,
                                       "DMUON_API_TOKEN": svc.token})
     assert streamed.returncode == 0 and '"summary"' in streamed.stdout, streamed.stderr
@@ -336,7 +336,7 @@ def test_a_kept_head_outlives_sigint_and_the_next_service_finishes_its_job(stack
 
 
 def _cli(svc, *args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "service.control.cli", *args], capture_output=True,
                           timeout=120, env={**os.environ, "DMUON_URL": svc.url,
                                             "DMUON_API_TOKEN": svc.token})
 
@@ -361,8 +361,8 @@ def _the_log_reads_as_a_line_per_step(svc, job_id, means) -> None:
 def _follow_shows_the_mean_loss(svc, job_id, means, monkeypatch, capsys) -> None:
     """The follower on the ended job's whole event stream: each step line's loss is the
     mean over the ranks."""
-    from service import cli
-    from service.cli.progress import follow
+    from service.control.cli import commands as cli
+    from service.control.cli.progress import follow
 
     monkeypatch.setenv("DMUON_URL", svc.url)
     monkeypatch.setenv("DMUON_API_TOKEN", svc.token)

@@ -1,8 +1,10 @@
 """The architecture, checked from the source (AST, no tool): the import graph has no cycle
-in ``dmuon/`` or ``service/``; the control plane reaches no module of the workers'
-package; the request path the docs list follows the imports; and the code keeps its
-shape: no file over 500 lines, no function over 60 (45 in ``dmuon/``), no block of six
-lines repeated with the same shape."""
+in ``dmuon/`` or ``service/``; ``service/`` is four sides, a folder each, whose imports
+point one way (control -> job <- driver -> worker -> job -> dmuon), with no cycle between
+them; no file name is used twice and ``__init__.py`` files only re-export; the request
+path the docs list follows the imports; and the code keeps its shape: no file over 500
+lines, no function over 60 (45 in ``dmuon/``), no block of six lines repeated with the
+same shape."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from functools import cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGES = ("dmuon", "service")
-CONTROL_PLANE = ("service.api.app", "service.api.serve", "service.cli")
-WORKERS = "service.train"
+CONTROL_PLANE = ("service.control.app", "service.control.serve", "service.control.cli")
+WORKERS = ("service.driver", "service.worker")
 PATH_DOC = os.path.join(ROOT, "docs", "job-path.md")
 
 
@@ -93,7 +95,7 @@ def reachable(start: str) -> dict[str, str]:
 def test_the_control_plane_imports_nothing_of_the_workers_package():
     for start in CONTROL_PLANE:
         seen = reachable(start)
-        bad = sorted(m for m in seen if m == WORKERS or m.startswith(WORKERS + "."))
+        bad = sorted(m for m in seen if m.startswith(WORKERS))
         assert not bad, f"{start} reaches {bad[0]} (imported by {seen[bad[0]]})"
 
 
@@ -163,48 +165,145 @@ def test_service_and_bench_use_only_dmuons_public_modules():
     assert scanned >= 100 and hits == [], "\n".join(hits)
 
 
-# The sides of today's folders (issue 44 moves them into folders of their own): the job
-# model, shared by all; the control plane; the Ray driver; what each Ray Train worker runs
-JOB_MODEL = ("service.spec", "service.inputs", "service.models", "service.plan",
-             "service.failure", "service.job_dir")
-CONTROL = ("service.api", "service.cli")
-DRIVER = tuple(f"service.train.{m}" for m in (
-    "entrypoint", "deadline", "register", "reports", "tracking", "sinks", "model_check",
-    "ray_inventory"))
-WORKER = tuple(f"service.train.{m}" for m in (
-    "loop", "capacity", "checkpoints", "corpus", "data", "data_parallel", "export",
-    "export_config", "layouts", "mesh", "metrics", "rank_records", "recipe", "weights",
-    "worker_env"))
-# what each side may not import: control -> job <- driver -> worker -> job
-FORBIDDEN = {JOB_MODEL: CONTROL + DRIVER + WORKER, CONTROL: DRIVER + WORKER,
-             WORKER: CONTROL + DRIVER, DRIVER: CONTROL}
+# The four sides of service/, a folder each: the job model, shared by all; the control
+# plane; the Ray job's driver; what each Ray Train worker runs
+SIDES = ("service.job", "service.control", "service.driver", "service.worker")
+# what each side may import: control -> job <- driver -> worker -> job -> dmuon
+MAY_IMPORT = {"service.job": set(), "service.control": {"service.job"},
+              "service.driver": {"service.job", "service.worker"},
+              "service.worker": {"service.job"}}
+# on no side: the package's docstring, the demos (they may import any side; no side
+# imports them) and the old path of the driver (``service.train.entrypoint``, an alias)
+OUTSIDE = ("service", "service.dev", "service.train")
+# the job model runs everywhere: none of the other sides' frameworks
+NOT_ON_THE_JOB_SIDE = ("ray", "fastapi", "starlette", "uvicorn", "sqlalchemy", "alembic",
+                       "click")
+# ``dmuon-svc prepare --ray`` tokenizes on a cluster with Ray Data (imported in that
+# function only): the one exception, until the prepare tool has a side of its own
+JOB_SIDE_RAY = {"service.job.inputs.prepare": {"ray"}}
 
 
-def _on(mod: str, side: tuple) -> bool:
-    return any(mod == s or mod.startswith(s + ".") for s in side)
+def side_of(mod: str) -> str | None:
+    return next((s for s in SIDES if mod == s or mod.startswith(s + ".")), None)
 
 
 def side_violations(graph: dict[str, frozenset]) -> list[str]:
-    """Each import from one side into a side it may not import."""
-    return sorted(f"{mod} -> {dep}" for mod, deps in graph.items() for dep in deps
-                  for side, banned in FORBIDDEN.items()
-                  if _on(mod, side) and _on(dep, banned))
+    """Each import from one side into a side it may not import, or into no side."""
+    return sorted(f"{mod} -> {dep}" for mod, deps in graph.items() if side_of(mod)
+                  for dep in deps if dep.startswith("service")
+                  and side_of(dep) != side_of(mod)
+                  and side_of(dep) not in MAY_IMPORT[side_of(mod)])
+
+
+def side_graph(graph: dict[str, frozenset]) -> dict[str, set[str]]:
+    """Side -> the other sides its modules import."""
+    out = {s: set() for s in SIDES}
+    for mod, deps in graph.items():
+        for dep in deps:
+            if side_of(mod) and side_of(dep) and side_of(dep) != side_of(mod):
+                out[side_of(mod)].add(side_of(dep))
+    return out
+
+
+def side_cycle(sides: dict[str, set[str]]) -> list[str] | None:
+    """A cycle between sides, if any (a depth-first search over at most four nodes)."""
+    def walk(path):
+        for nxt in sorted(sides[path[-1]]):
+            if nxt in path:
+                return path[path.index(nxt):] + [nxt]
+            found = walk(path + [nxt])
+            if found:
+                return found
+        return None
+    return next(filter(None, (walk([s]) for s in sorted(sides))), None)
+
+
+def test_each_module_of_the_service_is_on_one_side():
+    service = [m for m in modules() if m.startswith("service")]
+    assert {side_of(m) for m in service} == {*SIDES, None}
+    loose = [m for m in service if side_of(m) is None
+             and not any(m == o or m.startswith(o + ".") for o in OUTSIDE if o != "service")
+             and m != "service"]
+    assert loose == []
+    assert {m for m in service if m.startswith("service.train")} == {
+        "service.train", "service.train.entrypoint"}
 
 
 def test_each_side_imports_only_the_sides_below_it():
-    train = {m for m in modules() if m.startswith("service.train.")}
-    assert train == set(DRIVER + WORKER)  # every file of train/ is given its side
-    graph = {m: imports(m) for m in modules() if m.startswith("service.")}
-    planted = {**graph, "service.train.loop": graph["service.train.loop"]
-               | {"service.train.reports"}}
-    assert side_violations(planted) == ["service.train.loop -> service.train.reports"]
+    graph = {m: imports(m) for m in modules() if m.startswith("service")}
+    planted = {**graph, "service.worker.loop": graph["service.worker.loop"]
+               | {"service.driver.reports"}}
+    assert side_violations(planted) == ["service.worker.loop -> service.driver.reports"]
+    planted = {**graph, "service.job.plan.make": graph["service.job.plan.make"]
+               | {"service.dev.demo"}}
+    assert side_violations(planted) == ["service.job.plan.make -> service.dev.demo"]
     assert side_violations(graph) == []
 
 
+def test_no_cycle_between_the_sides():
+    graph = {m: imports(m) for m in modules() if m.startswith("service")}
+    sides = side_graph(graph)
+    assert sides == {"service.job": set(), "service.control": {"service.job"},
+                     "service.driver": {"service.job", "service.worker"},
+                     "service.worker": {"service.job"}}
+    assert side_cycle(sides) is None
+    planted = {**graph, "service.job.spec.job_spec": graph["service.job.spec.job_spec"]
+               | {"service.driver.register"}}
+    assert side_cycle(side_graph(planted)) == [
+        "service.job", "service.driver", "service.job"]
+
+
+def _third_party(path: str) -> set[str]:
+    """The top-level names of what a file imports, at any depth, but its own packages."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.add(node.module.split(".")[0])
+    return found - set(PACKAGES)
+
+
+def test_the_job_side_imports_no_ray_web_sql_or_cli_framework():
+    hits = {m: _third_party(p) & set(NOT_ON_THE_JOB_SIDE) for m, p in modules().items()
+            if side_of(m) == "service.job"}
+    assert {m: h for m, h in hits.items() if h} == JOB_SIDE_RAY
+
+
+def test_no_file_name_is_used_twice_in_the_service():
+    """``__init__.py`` and ``__main__.py`` aside: a file's name says what it holds."""
+    seen: dict[str, list[str]] = {}
+    for folder, _, files in os.walk(os.path.join(ROOT, "service")):
+        for name in files:
+            if name.endswith(".py") and name not in ("__init__.py", "__main__.py"):
+                seen.setdefault(name, []).append(os.path.relpath(folder, ROOT))
+    assert len(seen) >= 80
+    assert {n: f for n, f in seen.items() if len(f) > 1} == {}
+
+
+def only_reexports(source: str) -> bool:
+    """A docstring, imports and ``__all__``: nothing an ``__init__.py`` runs or defines."""
+    body = ast.parse(source).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return all(isinstance(n, (ast.Import, ast.ImportFrom)) or (
+        isinstance(n, ast.Assign) and [getattr(t, "id", "") for t in n.targets] == ["__all__"])
+        for n in body)
+
+
+def test_init_files_only_reexport():
+    assert only_reexports('"""Doc."""\nfrom .a import b\n__all__ = ["b"]\n')
+    assert not only_reexports('"""Doc."""\nfrom .a import b\n\n\ndef c():\n    return b\n')
+    inits = [p for m, p in modules().items() if m.startswith("service")
+             and p.endswith("__init__.py")]
+    assert len(inits) >= 12
+    assert [os.path.relpath(p, ROOT) for p in inits if not only_reexports(open(p).read())] == []
+
+
 def test_each_job_directory_name_is_written_in_one_place():
-    """``service/job_dir.py`` names every file under ``<storage>/<job>/``; no other file of
-    the service spells one out (a planted one is found)."""
-    tree = ast.parse(open(modules()["service.job_dir"]).read())
+    """``service/job/job_dir.py`` names every file under ``<storage>/<job>/``; no other
+    file of the service spells one out (a planted one is found)."""
+    tree = ast.parse(open(modules()["service.job.job_dir"]).read())
     names = [ast.literal_eval(n.value) for n in tree.body if isinstance(n, ast.Assign)
              and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)]
     assert "metrics.jsonl" in names and "dcp" in names and len(names) >= 10
@@ -222,7 +321,7 @@ def test_each_job_directory_name_is_written_in_one_place():
 
     assert spelled('path = os.path.join(job, "plan.json")') == {"plan.json"}
     hits = {mod: spelled(open(path).read()) for mod, path in modules().items()
-            if mod.startswith("service.") and mod != "service.job_dir"}
+            if mod.startswith("service.") and mod != "service.job.job_dir"}
     assert {m: h for m, h in hits.items() if h} == {}
 
 
@@ -250,7 +349,7 @@ def test_the_request_path_in_the_docs_follows_the_imports():
     """From ``POST /v1/jobs`` to ``optimizer.step()``: at most 12 files, each one handed
     the job by one before it."""
     files = _path_files()
-    assert "service/api/routes/jobs.py" in files and files[-1] == "dmuon/optim.py", files
+    assert "service/control/routes/jobs.py" in files and files[-1] == "dmuon/optim.py", files
     assert 2 <= len(files) <= 12, files
     for i, after in enumerate(files[1:], 1):
         mod = _module(after)

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from bench.gpu_ns import BACKENDS, DTYPES, SCALES, SHAPES
-from service.models.builtin import get_config, num_params
+from service.job.models.builtin import get_config, num_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHECKS = {"ns_error", "stream_race", "compile", "memory", "step_time"}

@@ -23,9 +23,9 @@ import click
 import pytest
 from _http import ROOT, Service
 
-from service import cli
-from service.cli.output import failure_line, si
-from service.cli.progress import Follower, final_line, run_follower
+from service.control.cli import commands as cli
+from service.control.cli.output import failure_line, si
+from service.control.cli.progress import Follower, final_line, run_follower
 
 SERVICE_ENV = ("DMUON_URL", "DMUON_API_TOKEN")
 COMMANDS = ["submit", "list", "status", "logs", "cancel", "plan", "export", "prepare"]
@@ -66,10 +66,10 @@ def test_each_command_helps_every_option_and_names_its_environment(capsys, comma
 
 
 def test_prepare_takes_every_option_of_the_prepare_module(capsys):
-    """One definition: ``python -m service.inputs.prepare``'s argparse arguments."""
+    """One definition: ``python -m service.job.inputs.prepare``'s argparse arguments."""
     import argparse
 
-    from service.inputs.prepare import add_arguments
+    from service.job.inputs.prepare import add_arguments
 
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -98,7 +98,7 @@ def test_an_unreachable_service_is_exit_1_with_an_error_line(capsys, monkeypatch
 BOOM = {"id": "dmuon-0123456789ab", "name": "boom-job", "status": "FAILED",
         "reason": {"type": "RuntimeError", "message": "boom\nsecond line", "rank": 2,
                    "step": 3, "phase": "forward",
-                   "frames": ["/w/service/train/loop.py:88 in train_step",
+                   "frames": ["/w/service/worker/loop.py:88 in train_step",
                               "/w/mymodel.py:12 in forward"]}}
 
 
@@ -135,7 +135,7 @@ def test_status_prints_the_reason_and_for_one_job_its_frames(capsys, monkeypatch
         "  FAILED: RuntimeError: boom (rank 2, step 3)",
         "    second line",
         "  last frames (most recent call last):",
-        "    /w/service/train/loop.py:88 in train_step",
+        "    /w/service/worker/loop.py:88 in train_step",
         "    /w/mymodel.py:12 in forward"]
 
 
@@ -236,7 +236,7 @@ def test_the_final_line_carries_a_failed_jobs_reason():
 
 
 def _follow_with(monkeypatch, events, job=None):
-    import service.cli.progress as progress
+    import service.control.cli.progress as progress
 
     asked = []
     monkeypatch.setattr(progress, "job_events", lambda job_id: iter(events))
@@ -270,7 +270,7 @@ def test_follow_asks_an_older_server_for_the_job_and_copes_without_a_reason(monk
 
 # -- the mode's explanation on CPU workers ---------------------------------------------------
 def test_parameter_counts_read_as_people_write_them():
-    from service.plan.modes import parameter_count, workers
+    from service.job.plan.modes import parameter_count, workers
 
     assert [parameter_count(n) for n in (640, TINY_PARAMS, 999_950, SMALL_PARAMS,
                                          8_030_261_248, 70_553_706_496)] == [
@@ -280,9 +280,9 @@ def test_parameter_counts_read_as_people_write_them():
 
 
 def _cpu_plan(data: dict, workers: int):
-    from service.plan.inventory import synthetic_inventory
-    from service.plan.predict import predict
-    from service.spec import parse_spec
+    from service.job.plan.inventory import synthetic_inventory
+    from service.job.plan.predict import predict
+    from service.job.spec import parse_spec
 
     return predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=workers))
 
@@ -305,8 +305,8 @@ def test_auto_on_cpu_workers_names_them_and_the_real_parameter_count():
 
 
 def test_a_cpu_worker_that_cannot_hold_z3_is_named_as_such():
-    from service.plan.modes import decide
-    from service.spec.recipe import DMuonSpec
+    from service.job.plan.modes import decide
+    from service.job.spec.recipe_section import DMuonSpec
 
     choice = decide(DMuonSpec(mode="auto"), params=TINY_PARAMS, gpus=4, shard=4,
                     device_bytes=int(1e9), z2_bytes=int(3e9), z3_bytes=int(2e9),
@@ -337,7 +337,7 @@ def _env(svc) -> dict:
 
 
 def _cli(svc, *args):
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "service.control.cli", *args], cwd=ROOT,
                           env=_env(svc), capture_output=True, text=True, timeout=120)
 
 
@@ -416,7 +416,7 @@ def test_follow_shows_placing_while_queued_and_ends_with_the_status(svc, tmp_pat
     a cancel ends the stream with STOPPED (exit 1: the job did not succeed)."""
     spec = tmp_path / "job.yaml"
     spec.write_text("name: queued\nmodel: tiny\nsteps: 5\nlayout: {replicate: 2, shard: 2}\n")
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "submit", str(spec),
+    proc = subprocess.Popen([sys.executable, "-m", "service.control.cli", "submit", str(spec),
                              "--follow"], cwd=ROOT, env=_env(svc), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
@@ -458,7 +458,7 @@ def test_a_refusal_prints_each_field_and_message_on_a_line(svc, tmp_path, comman
 
 
 def test_an_error_with_a_message_prints_the_message():
-    from service.cli.http import refusal
+    from service.control.cli.http import refusal
 
     assert refusal(404, "Not Found", '{"detail": "no job \'dmuon-x\'"}') == (
         "404 Not Found: no job 'dmuon-x'")
@@ -489,7 +489,7 @@ def test_plan_says_where_the_mode_came_from(svc, tmp_path, dmuon, line):
 
 
 def test_list_shows_the_jobs_as_the_service_lists_them(svc, tmp_path):
-    from service.api.schema import STATES
+    from service.control.sql_tables import STATES
 
     assert cli.STATES == STATES  # the CLI does not import the store's tables
     for name in ("listed-a", "listed-b"):

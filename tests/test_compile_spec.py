@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 
 from dmuon.testing import run
-from service.spec import SpecError, parse_spec
+from service.job.spec import SpecError, parse_spec
 
 
 def _spec_compiles(rank, world):
     """A job spec's ``compile: true`` reaches the worker: each block compiled in place."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train.loop import build_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import build_training
 
     spec = parse_spec({"model": "tiny", "compile": True,
                        "layout": {"replicate": 1, "shard": world}})

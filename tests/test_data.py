@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from service.inputs import resolve_inputs
-from service.inputs.shards import TokenWindows, describe, tokens_of, write_shard
-from service.spec import SpecError, parse_spec
-from service.train.data import Batches
+from service.job.inputs import resolve_inputs
+from service.job.inputs.shards import TokenWindows, describe, tokens_of, write_shard
+from service.job.spec import SpecError, parse_spec
+from service.worker.batches import Batches
 
 WORDS = ("muon", "owner", "shard", "gather", "reduce", "newton", "schulz", "matrix",
          "rank", "layer", "buffer", "step")
@@ -45,7 +45,7 @@ def prepared(tmp_path_factory):
             fh.write(json.dumps({"id": i, "text": d}) + "\n")
     _tokenizer(str(root / "tokenizer.json"), docs)
     proc = subprocess.run(
-        [sys.executable, "-m", "service.cli", "prepare", "--tokenizer",
+        [sys.executable, "-m", "service.control.cli", "prepare", "--tokenizer",
          str(root / "tokenizer.json"), "--out", str(root / "data" / "shards"),
          "--shard-tokens", "2000", "--val-every", "10", str(root / "corpus.jsonl")],
         capture_output=True, text=True, timeout=120)
@@ -100,8 +100,8 @@ def _rss_bytes() -> int:
 def _rss_after_training(rank, world, spec_data, inputs):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     before = _rss_bytes()

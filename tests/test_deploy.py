@@ -216,8 +216,8 @@ def test_validators_reject_broken_manifests(rendered):
 @pytest.mark.parametrize("tree", TREES)
 def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path,
                                                          monkeypatch):
-    from service import spec
-    from service.train import entrypoint
+    from service.driver import job_driver as entrypoint
+    from service.job import spec
 
     docs = rendered[tree]
     cluster, job = _one(docs, "RayCluster"), _one(docs, "RayJob")
@@ -246,8 +246,8 @@ def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path
     assert cluster["spec"]["headGroupSpec"]["rayStartParams"] == {
         "dashboard-host": "0.0.0.0", "num-cpus": "0"}  # job API reachable; no workers
     # sizing: the planner lays the job out as R = worker pods x N = workers per pod
-    from service.plan.inventory import synthetic_inventory
-    from service.plan.predict import predict
+    from service.job.plan.inventory import synthetic_inventory
+    from service.job.plan.predict import predict
 
     worker = cluster["spec"]["workerGroupSpecs"][0]
     res = worker["template"]["spec"]["containers"][0]["resources"]
@@ -264,8 +264,8 @@ def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path
 def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     import uvicorn
 
-    import service.api.serve
-    from service.api.app import create_app
+    import service.control.serve
+    from service.control.app import create_app
 
     docs = rendered["overlays/gpu"]
     deployment, svc = _one(docs, "Deployment"), _one(docs, "Service")
@@ -273,23 +273,23 @@ def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):
     container = deployment["spec"]["template"]["spec"]["containers"][0]
     assert container["command"] == ["dmuon-serve"]
     script = metadata.entry_points(group="console_scripts", name="dmuon-serve")
-    assert [e.value for e in script] == ["service.api.serve:main"]
+    assert [e.value for e in script] == ["service.control.serve:main"]
     env = {e["name"]: e.get("value") for e in container["env"]}
     for name, value in env.items():
         monkeypatch.setenv(name, value or "from-a-secret")
     monkeypatch.setenv("DMUON_DB", str(tmp_path / "db.sqlite"))  # the PVC's path is not here
     ran = {}  # what main would bind and serve (nothing binds here: 0.0.0.0 is no loopback)
-    monkeypatch.setattr(service.api.serve, "_bound_socket",
+    monkeypatch.setattr(service.control.serve, "_bound_socket",
                         lambda host, port: ran.update(bound=(host, port)) or "socket")
     def run(self, sockets=None):  # a server that started, served, and was stopped
         ran.update(config=self.config, sockets=sockets)
         self.started = True
 
     monkeypatch.setattr(uvicorn.Server, "run", run)
-    assert service.api.serve.main([]) == 0
+    assert service.control.serve.main([]) == 0
     port, config = container["ports"][0], ran["config"]
-    assert config.port == port["containerPort"] == service.api.serve.DEFAULT_PORT
-    assert config.host == "0.0.0.0" and config.app == "service.api.app:create_app"
+    assert config.port == port["containerPort"] == service.control.serve.DEFAULT_PORT
+    assert config.host == "0.0.0.0" and config.app == "service.control.app:create_app"
     assert ran["bound"] == ("0.0.0.0", config.port) and ran["sockets"] == ["socket"]
     assert svc["spec"]["ports"][0]["targetPort"] == port["name"]
     app = create_app()
@@ -327,7 +327,7 @@ def test_env_names_and_secrets_agree_with_the_code(rendered, tree):
     for folder, _, files in os.walk(os.path.join(ROOT, "service")):
         source += "".join(open(os.path.join(folder, f)).read() for f in files
                           if f.endswith(".py"))
-    from service.api.settings import Settings
+    from service.control.settings import Settings
 
     settings = {f"DMUON_{name.upper()}" for name in Settings.model_fields}
     docs = rendered[tree]

@@ -116,7 +116,7 @@ def _defines(file: pathlib.Path) -> set[str]:
 @functools.cache
 def _spec_dmuon_keys() -> frozenset[str]:
     """The keys of a job spec's `dmuon:` section (`dmuon.mode` names one, not a module)."""
-    from service.spec import JobSpec
+    from service.job.spec import JobSpec
 
     return frozenset(JobSpec.model_fields["dmuon"].annotation.model_fields)
 
@@ -237,13 +237,13 @@ def test_a_stale_path_planted_in_deploy_readme_fails_the_check(tmp_path):
 def test_a_stale_path_planted_in_a_comment_or_docstring_fails_the_check(tmp_path):
     source = (ROOT / "tests" / "_model.py").read_text()
     (tmp_path / "as_is.py").write_text(source + "\n".join(f"# {n}" for n in NOT_OURS))
-    (tmp_path / "comment.py").write_text(source + "# see service/train/models.py\n")
+    (tmp_path / "comment.py").write_text(source + "# see service/worker/models.py\n")
     (tmp_path / "docstring.py").write_text(
-        source + 'def f():\n    """Like service.train.models.build."""\n')
-    (tmp_path / "code.py").write_text(source + 'PATH = "service/train/models.py"\n')
+        source + 'def f():\n    """Like service.worker.models.build."""\n')
+    (tmp_path / "code.py").write_text(source + 'PATH = "service/worker/models.py"\n')
     stale = stale_in_comments(sorted(tmp_path.iterdir()))
-    assert stale == {str(tmp_path / "comment.py"): ["service/train/models.py"],
-                     str(tmp_path / "docstring.py"): ["service.train.models.build"]}
+    assert stale == {str(tmp_path / "comment.py"): ["service/worker/models.py"],
+                     str(tmp_path / "docstring.py"): ["service.worker.models.build"]}
 
 
 def test_make_targets_exist():
@@ -272,7 +272,7 @@ def test_python_modules_and_their_flags_exist():
 
 
 def test_dmuon_svc_commands_and_options_exist():
-    from service.cli import app
+    from service.control.cli import app
 
     def options(command):
         return {o for p in command.params for o in p.opts + p.secondary_opts} | {"--help"}
@@ -293,7 +293,7 @@ def test_dmuon_svc_commands_and_options_exist():
 
 
 def test_dmuon_serve_flags_exist():
-    source = (ROOT / "service" / "api" / "serve.py").read_text()
+    source = (ROOT / "service" / "control" / "serve.py").read_text()
     used = {f for d in DOCS for s in code(d)
             for call in re.findall(r"dmuon-serve((?: +--[\w-]+)*)", s)
             for f in call.split()}
@@ -322,7 +322,7 @@ def test_dmuon_names_exist(doc):
 
 
 def test_job_specs_shown_parse():
-    from service.spec import parse_spec
+    from service.job.spec import parse_spec
 
     specs = [yaml.safe_load(m.group(2)) for d in DOCS for m in FENCE.finditer(d.read_text())
              if m.group(1) == "yaml" and m.group(2).startswith("# job.yaml")]

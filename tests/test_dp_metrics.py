@@ -19,7 +19,7 @@ SPEC = {"model": "tiny", "steps": STEPS, "batch_size": PER_RANK, "seq_len": 16,
 
 
 def _spec(layout):
-    from service.spec import parse_spec
+    from service.job.spec import parse_spec
 
     dims = dict(zip(("replicate", "shard", "tp"), layout))
     dp = layout[0] * layout[1]
@@ -32,7 +32,7 @@ def _job(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.train.loop import build_training, run_training
+    from service.worker.loop import build_training, run_training
 
     names = ("replicate", "shard", "tp")[:len(layout)]
     mesh = init_device_mesh("cpu", layout, mesh_dim_names=names)
@@ -47,7 +47,7 @@ def _job(rank, world, layout):
 def _reference_loss(weights: dict, split: str, batches: list[int], rows: int) -> float:
     """The mean next-token loss of ``weights`` over every row of the given batches, one
     float64 process."""
-    from service.train.data import Batches
+    from service.worker.batches import Batches
 
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     model.load_state_dict(weights)

@@ -10,7 +10,7 @@ from _browser import job_page
 from _elastic import SPEC
 from _http import Service
 
-# three starts as a Ray Train worker group makes them (service.train.layouts)
+# three starts as a Ray Train worker group makes them (service.worker.layout_events)
 EVENTS = {1: {"reason": "start", "previous": None, "layout": [3, 2], "resumed_from": 0,
               "steps_lost": 0},
           5: {"reason": "capacity lost: 6 -> 4 workers (a node or worker failed)",

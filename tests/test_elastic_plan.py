@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import dmuon
-from service.plan.inventory import synthetic_inventory
-from service.plan.make import plan_document
-from service.spec import SpecError, parse_spec
-from service.train.data import Batches
-from service.train.loop import BUILTIN_INPUTS
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.make import plan_document
+from service.job.spec import SpecError, parse_spec
+from service.worker.batches import Batches
+from service.worker.loop import BUILTIN_INPUTS
 
 BASE = {"model": "tiny", "steps": 8, "batch_size": 2, "seq_len": 32,
         "global_batch_tokens": 12 * 32, "checkpoint": {"interval": 2},
@@ -142,8 +142,8 @@ def test_every_layout_reads_the_same_rows_of_each_step():
 def test_the_tables_partitions_are_dmuons_for_each_layout():
     """Each entry's partition is ``dmuon.partition`` of the model on that layout (the
     call the workers would make without a plan), owner for owner."""
-    from service.models.build import prepare_on_meta
-    from service.models.source import BUILTIN
+    from service.job.models.build import prepare_on_meta
+    from service.job.models.source import BUILTIN
 
     spec = parse_spec(BASE)
     prepared = prepare_on_meta(spec, BUILTIN, torch.float32)
@@ -173,14 +173,14 @@ NODES = [  # ray.nodes() entries: a CPU-less head, two GPU hosts (one dead), a C
     ({"CPU": 0.5, "GPU": 2.0}, True, 64)])
 def test_the_workers_counted_between_steps_are_the_ones_ray_train_would_start(
         resources, use_gpu, max_workers):
-    """The elastic job's own count (service.train.capacity) against Ray Train's: its
+    """The elastic job's own count (service.worker.capacity) against Ray Train's: its
     coordinator's node filter and its elastic policy's count, run on the same nodes."""
     from ray.data._internal.cluster_autoscaler import default_autoscaling_coordinator as rc
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
-    from service.plan.document import Scaling
-    from service.train.capacity import worker_resources, workers_on
+    from service.job.plan.document import Scaling
+    from service.worker.capacity import worker_resources, workers_on
 
     scaling = Scaling(num_workers=max_workers, use_gpu=use_gpu, resources_per_worker=resources,
                       placement_strategy="PACK", min_workers=1)

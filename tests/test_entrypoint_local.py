@@ -1,5 +1,5 @@
 """The README's "without the control plane" command, as written, on its own job.yaml:
-``python -m service.train.entrypoint --spec job.yaml`` starts a local Ray and runs the
+``python -m service.driver.job_driver --spec job.yaml`` starts a local Ray and runs the
 2 x 2 job to SUCCEEDED on this 2-core machine (issue 34, item 1: it used to start Ray
 with the machine's 2 CPUs and refuse the 4 workers). The CPUs it gives a local Ray, on
 a 2-CPU machine whatever this one has: ``--num-cpus``, else ``DMUON_LOCAL_CPUS``, else
@@ -18,9 +18,9 @@ import sys
 import pytest
 import yaml
 
-from service.api.ray_head import LocalRayHead
-from service.spec import parse_spec
-from service.train.entrypoint import local_cpus
+from service.control.ray_head import LocalRayHead
+from service.driver.job_driver import local_cpus
+from service.job.spec import parse_spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -31,7 +31,7 @@ def _readme_job() -> str:
 
 
 def _readme_command() -> list[str]:
-    line = re.search(r"^ {4}(python -m service\.train\.entrypoint --spec job\.yaml)\s+#",
+    line = re.search(r"^ {4}(python -m service\.driver\.job_driver --spec job\.yaml)\s+#",
                      README, re.M).group(1)
     return [sys.executable, *shlex.split(line)[1:]]
 

@@ -22,9 +22,9 @@ def _train_export_reload(rank, world, spec_data, root):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.inputs import resolve_inputs
-    from service.spec import parse_spec
-    from service.train.loop import build_training, run_training
+    from service.job.inputs import resolve_inputs
+    from service.job.spec import parse_spec
+    from service.worker.loop import build_training, run_training
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))

@@ -20,7 +20,7 @@ import requests
 from _browser import page_with_errors
 from _http import Service
 
-from service.inputs.packages import zip_directory
+from service.job.inputs.working_dir import zip_directory
 
 WORLD = 4
 FAIL_RANK, FAIL_STEP = 2, 3
@@ -135,15 +135,15 @@ def test_status_and_follow_print_the_reason(failed):
     svc, job_id, _ = failed
     env = {**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
     line = f"FAILED: RuntimeError: boom (rank {FAIL_RANK}, step {FAIL_STEP})"
-    status = subprocess.run([sys.executable, "-m", "service.cli", "status", job_id],
+    status = subprocess.run([sys.executable, "-m", "service.control.cli", "status", job_id],
                             capture_output=True, text=True, timeout=120, env=env)
     assert status.returncode == 0 and line in status.stdout, status.stderr
     follow = subprocess.run(
-        [sys.executable, "-c", "import sys; from service.cli import follow; "
+        [sys.executable, "-c", "import sys; from service.control.cli import follow; "
          f"sys.exit(0 if follow({job_id!r}, {SPEC['steps']}) == 'FAILED' else 1)"],
         capture_output=True, text=True, timeout=120, env=env)
     assert follow.returncode == 0 and f"{job_id}: {line}" in follow.stdout, follow.stderr
-    logs = subprocess.run([sys.executable, "-m", "service.cli", "logs", job_id],
+    logs = subprocess.run([sys.executable, "-m", "service.control.cli", "logs", job_id],
                           capture_output=True, timeout=120, env=env)  # into a pipe
     assert logs.returncode == 0 and b"\x1b" not in logs.stdout, logs.stderr
     text = logs.stdout.decode()
@@ -153,7 +153,7 @@ def test_status_and_follow_print_the_reason(failed):
 
 
 def test_the_store_keeps_the_reason_and_marks_the_dry_run(failed):
-    from service.api.store import JobStore
+    from service.control.store import JobStore
 
     svc, job_id, dry_id = failed
     store = JobStore(f"sqlite:///{svc.env['DMUON_DB']}")
@@ -209,7 +209,7 @@ def test_stop_ray_stops_the_recorded_head_by_pid(failed):
     head = svc.head()
     processes = head_processes(head)
     assert head["pid"] in processes and alive(processes)
-    command = [sys.executable, "-m", "service.api.serve", "--stop-ray"]
+    command = [sys.executable, "-m", "service.control.serve", "--stop-ray"]
     env = {**os.environ, "DMUON_STORAGE": svc.env["DMUON_STORAGE"]}
     stopped = subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
     assert stopped.returncode == 0, stopped.stderr
@@ -225,8 +225,8 @@ def test_a_database_at_0001_gains_the_reason_column(tmp_path):
     from alembic.config import Config
     from sqlalchemy import create_engine, text
 
-    from service.api.migrate import SCRIPTS
-    from service.api.store import JobStore
+    from service.control.migrate import SCRIPTS
+    from service.control.store import JobStore
 
     url = f"sqlite:///{tmp_path}/old.db"
     engine = create_engine(url)
@@ -254,8 +254,8 @@ def test_a_database_at_0001_gains_the_reason_column(tmp_path):
 
 
 def test_reasons_are_sanitised_and_messages_stripped():
-    from service.api.runner import outcome_message
-    from service.failure import sanitized, strip_ansi
+    from service.control.submitter import outcome_message
+    from service.job.failure import sanitized, strip_ansi
 
     ray_tail = "\x1b[36m(RayTrainWorker pid=1)\x1b[0m Traceback\x1b]8;;http://x\x07link\x1b]8;;\x07"
     assert strip_ansi(ray_tail) == "(RayTrainWorker pid=1) Traceback" + "link"
@@ -278,7 +278,7 @@ def test_a_worker_that_died_without_an_exception_is_described_by_the_entrypoint(
     from ray.train.v2._internal.exceptions import UserExceptionWithTraceback
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from service.train.entrypoint import failure_reason
+    from service.driver.job_driver import failure_reason
 
     text = ('Traceback (most recent call last):\n  File "/a/loop.py", line 9, in step\n'
             '    x()\n  File "/u/model.py", line 4, in forward\n    raise KeyError(1)\n'

@@ -1,6 +1,6 @@
 """Meta-device init at half a billion parameters: a model built on ``torch.device("meta")``,
 dedicated, fully sharded and ``dmuon.materialize``d on 4 gloo ranks stays within the share
-the service's planner predicts for each rank (``service.plan.predict``); the values of
+the service's planner predicts for each rank (``service.job.plan.predict``); the values of
 meta init are checked against a full init in tests/core/test_meta_init.py."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from _train import materialized_from_meta
 import dmuon
 from dmuon import cost
 from dmuon.testing import run
-from service.models.builtin import ModelConfig, build_model, init_builtin
-from service.models.params import split_params
-from service.plan.inventory import synthetic_inventory
-from service.plan.predict import predict
-from service.spec import parse_spec
+from service.job.models.builtin import ModelConfig, build_model, init_builtin
+from service.job.models.params import split_params
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.predict import predict
+from service.job.spec import parse_spec
 
 SEED = 7
 # 0.51 B parameters: 18 layers of 4 x 1536^2 attention and 3 x 1536 x 4096 MLP matrices

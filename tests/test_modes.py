@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from service.plan.inventory import synthetic_inventory
-from service.plan.predict import predict
-from service.spec import parse_spec
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.predict import predict
+from service.job.spec import parse_spec
 
 GPU = {"resources_per_worker": {"CPU": 1, "GPU": 1}}
 # (model, GPUs) -> (mode, fits in 80 GB): the seeds' tree, applied by hand.
@@ -57,10 +57,10 @@ def _measure(rank, world, spec_data, modes, steps=2):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.spec import parse_spec
-    from service.train.data import Batches
-    from service.train.data_parallel import DataParallel
-    from service.train.loop import BUILTIN_INPUTS, build_training, train_step
+    from service.job.spec import parse_spec
+    from service.worker.batches import Batches
+    from service.worker.data_parallel import DataParallel
+    from service.worker.loop import BUILTIN_INPUTS, build_training, train_step
 
     spec = parse_spec(spec_data)
     R, N = spec.layout.replicate, spec.layout.shard

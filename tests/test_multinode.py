@@ -45,8 +45,8 @@ def _loopback(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     model = run_training(parse_spec(spec_data), mesh, report=lambda record, path: None)

@@ -18,8 +18,8 @@ SPEC = {"model": "tiny", "steps": STEPS, "batch_size": 1, "seq_len": 16,
 def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     records = []
@@ -29,8 +29,8 @@ def _job(rank, world):
 
 
 def test_normuon_and_qk_clip_reach_the_records():
-    from service.api.records import StepRecord
-    from service.train.tracking import step_scalars
+    from service.control.step_records import StepRecord
+    from service.driver.tracking_callback import step_scalars
 
     results = run(_job, world_size=4)
     for step in range(STEPS):

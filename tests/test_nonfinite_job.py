@@ -22,8 +22,8 @@ SPEC = {"model": "tiny", "steps": 8, "batch_size": 2, "seq_len": 16, "clip_grad_
 def _job(rank, world, bad_steps, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.spec import parse_spec
-    from service.train import loop
+    from service.job.spec import parse_spec
+    from service.worker import loop
 
     calls = {"n": 0}
     loss_of = loop.causal_lm_loss

@@ -111,19 +111,19 @@ def test_mutations_and_logs_without_the_token_get_401(svc, method, path):
 
 
 def test_one_default_for_the_mode_in_rest_the_cli_and_the_docs(svc):
-    """REST's schema and its plans, ``python -m service.plan`` and the pages that name
+    """REST's schema and its plans, ``python -m service.job.plan`` and the pages that name
     the default (README's and jobs.md's job.yaml) say the same ``dmuon.mode``."""
     import pathlib
     import re
 
-    from service.plan.__main__ import parser
+    from service.job.plan.__main__ import parser
 
     schemas = svc.request("GET", "/openapi.json")[1]["components"]["schemas"]
     rest = schemas["DMuonSpec"]["properties"]["mode"]["default"]
     _, plan = svc.request("POST", "/v1/plan", {"model": "tiny"})
     assert plan["modes"]["dmuon"] == rest == "z3"
     assert plan["modes"]["reason"].startswith("the default: the spec sets no dmuon.mode (z3;")
-    # unset, python -m service.plan leaves the mode to the spec and its help names it
+    # unset, python -m service.job.plan leaves the mode to the spec and its help names it
     assert parser().get_default("mode") is None
     assert f"(default: {rest})" in next(a.help for a in parser()._actions if a.dest == "mode")
     root = pathlib.Path(__file__).resolve().parent.parent

@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from service.plan.inventory import synthetic_inventory
-from service.plan.layout import PlacementError
-from service.plan.predict import predict
-from service.spec import SpecError, parse_spec
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.layout_choice import PlacementError
+from service.job.plan.predict import predict
+from service.job.spec import SpecError, parse_spec
 
 GPU = {"resources_per_worker": {"CPU": 1, "GPU": 1}}
 
@@ -32,7 +32,7 @@ def test_bad_specs_name_the_field(data, path):
 def test_entrypoint_refuses_bad_spec_before_starting_anything(tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text("model: tiny\nsteps: -1\n")
-    proc = subprocess.run([sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec)],
+    proc = subprocess.run([sys.executable, "-m", "service.driver.job_driver", "--spec", str(spec)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "steps:" in proc.stderr
     assert "Started a local Ray" not in proc.stderr
@@ -57,7 +57,7 @@ def test_more_workers_than_logical_cpus_is_refused():
 
 
 def _llama_matrices(name):
-    from service.models.builtin import get_config
+    from service.job.models.builtin import get_config
 
     c = get_config(name)
     kv = c.n_kv_heads * c.dim // c.n_heads
@@ -91,7 +91,7 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
 
 
 def test_planner_cli_prints_the_table():
-    proc = subprocess.run([sys.executable, "-m", "service.plan", "--model", "llama3-70b",
+    proc = subprocess.run([sys.executable, "-m", "service.job.plan", "--model", "llama3-70b",
                            "--nodes", "8", "--gpus-per-node", "8"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -103,9 +103,9 @@ def _measure(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.models.builtin import causal_lm_loss
-    from service.train.corpus import batch_at, load_corpus
-    from service.train.loop import build_training
+    from service.job.models.builtin import causal_lm_loss
+    from service.worker.corpus import batch_at, load_corpus
+    from service.worker.loop import build_training
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -134,11 +134,11 @@ def test_predictions_equal_what_workers_measure(mode):
         assert ledger == predicted.ledger, rank
 
 
-# the spec names dtypes; dmuon.Muon takes torch dtypes (service.models.dtypes maps them)
+# the spec names dtypes; dmuon.Muon takes torch dtypes (service.job.models.dtypes maps them)
 def _as_spec_default(value):
     import torch
 
-    from service.models.dtypes import DTYPES
+    from service.job.models.dtypes import DTYPES
 
     names = {dtype: name for name, dtype in DTYPES.items()}
     return names[value] if isinstance(value, torch.dtype) else value
@@ -151,7 +151,7 @@ def test_optimizer_section_is_exactly_dmuon_muons_options():
     import inspect
 
     import dmuon
-    from service.spec import OptimizerSpec
+    from service.job.spec import OptimizerSpec
 
     params = list(inspect.signature(dmuon.Muon).parameters.values())[1:]
     # named param groups hold the model's param objects: code, not a job spec
@@ -167,7 +167,7 @@ def test_the_spec_maps_onto_muons_call():
     import torch
 
     import dmuon
-    from service.models.dtypes import muon_kwargs
+    from service.job.models.dtypes import muon_kwargs
 
     spec = parse_spec({"model": "tiny", "optimizer": {"ns_dtype": "float64",
                                                       "adamw_betas": [0.8, 0.9],
@@ -184,10 +184,10 @@ def test_the_dashboard_names_dmuons_memory_kinds_without_importing_dmuon():
     import sys
 
     import dmuon
-    from service.plan.document import MEMORY_KINDS
+    from service.job.plan.document import MEMORY_KINDS
 
     assert MEMORY_KINDS == dmuon.MEMORY_KINDS
-    code = "import sys, service.api.dashboard; print('dmuon' in sys.modules)"
+    code = "import sys, service.control.dashboard; print('dmuon' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

@@ -1,5 +1,5 @@
 """QK-clip on Hugging Face Llama (GQA: 4 query heads over 2 key heads) through the
-service's recording attention (``service.models.attention_logits``: transformers'
+service's recording attention (``service.job.models.attention_logits``: transformers'
 attention interface), against a single-process float64 reference written here: HF Llama
 on plain SDPA, torch.optim.Muon + AdamW, the max logits computed by the test from each
 attention's inputs and the Kimi K2 rule applied in loops (tests/_qk_clip.py). 4 gloo
@@ -32,8 +32,8 @@ from _train import (
 
 import dmuon
 from dmuon.testing import run
-from service.models.attention_logits import enable_qk_clip
-from service.spec.types import SpecError
+from service.job.models.attention_logits import enable_qk_clip
+from service.job.spec.field_types import SpecError
 
 STEPS, SEED = 10, 5
 TAU = 0.18  # this Llama's max logits run 0.18-0.22 under the clip: 2 to 6 of 8 heads clip

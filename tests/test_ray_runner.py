@@ -24,8 +24,8 @@ from _faults import installed
 from _tensorboard import TensorBoard, event_files, scalars
 from _tracking import MlflowServer, mlflow_run, wandb_run
 
-from service.api.ray_head import RAY, LocalRayHead
-from service.spec import parse_spec
+from service.control.ray_head import RAY, LocalRayHead
+from service.job.spec import parse_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPEC = {"name": "t", "model": "tiny", "steps": 8, "batch_size": 4, "seq_len": 32,
@@ -60,7 +60,7 @@ def data_root(tmp_path_factory):
         fh.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     _tokenizer(str(root / "tokenizer.json"), docs)
     proc = subprocess.run(
-        [sys.executable, "-m", "service.cli", "prepare", "--tokenizer",
+        [sys.executable, "-m", "service.control.cli", "prepare", "--tokenizer",
          str(root / "tokenizer.json"), "--out", str(root / "shards"), "--shard-tokens",
          "50000", str(root / "corpus.jsonl")], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
@@ -102,8 +102,8 @@ def _tensorboard_loss(storage, job_id):
 
 
 def _run(storage, data_root, job_id, fault=None, spec=SPEC):
-    from service.inputs import resolve_inputs
-    from service.train.entrypoint import run_job
+    from service.driver.job_driver import run_job
+    from service.job.inputs import resolve_inputs
 
     params = os.path.join(storage, f"{job_id}.params.pt")
     spec = parse_spec(spec)
@@ -161,8 +161,8 @@ def test_the_export_is_readable_and_loads_back_as_the_trained_model(baseline, st
     """Every export file is as readable as the umask allows (config.json's mode), and
     ``load_exported`` gives the trained parameters (the run's own full copy) and the
     logits of a model built here and given them."""
-    from service.models.builtin import build_model
-    from service.models.exported import load_exported
+    from service.job.models.builtin import build_model
+    from service.job.models.exported import load_exported
 
     export = os.path.join(storage, "baseline", "export")
     umask = os.umask(0o022)
@@ -231,7 +231,7 @@ def test_worker_killed_at_step_6_resumes_from_step_4(baseline, storage, data_roo
 def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_path,
                                                              data_root):
     """The spec asks 2 x 2; the stored plan says 1 x 4: the plan is what runs."""
-    from service.plan.make import plan_document
+    from service.job.plan.make import plan_document
 
     data = {**SPEC, "steps": 3, "checkpoint": {"interval": 0}}
     spec = tmp_path / "job.json"
@@ -244,7 +244,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
     proc = subprocess.run(
         [RAY, "job", "submit", "--working-dir", ROOT,
          "--runtime-env-json", json.dumps(runtime_env), "--",
-         sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec),
+         sys.executable, "-m", "service.driver.job_driver", "--spec", str(spec),
          "--plan", str(tmp_path / "plan.json"), "--storage", storage,
          "--data-root", data_root, "--job-id", "submitted"],
         env=env, capture_output=True, text=True, timeout=300)
@@ -272,7 +272,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
 
 def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_path,
                                                                      data_root):
-    from service.plan.make import plan_document
+    from service.job.plan.make import plan_document
 
     spec = tmp_path / "job.json"
     spec.write_text(json.dumps(SPEC))
@@ -280,7 +280,7 @@ def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_
                          None, 4)  # planned on 2 assumed nodes; the head is 1 node
     (tmp_path / "plan.json").write_text(plan.model_dump_json())
     proc = subprocess.run(
-        [sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec), "--plan",
+        [sys.executable, "-m", "service.driver.job_driver", "--spec", str(spec), "--plan",
          str(tmp_path / "plan.json"), "--storage", str(tmp_path), "--data-root", data_root],
         env={**os.environ, "RAY_ADDRESS": head.address}, capture_output=True, text=True,
         timeout=300, cwd=ROOT)
@@ -340,8 +340,8 @@ def test_two_simulated_nodes_replicate_across_shard_within(baseline, storage, da
     try:
         cluster.add_node(num_cpus=2)
         ray.init(address=cluster.address, log_to_driver=False)
-        from service.inputs import resolve_inputs
-        from service.train.entrypoint import run_job
+        from service.driver.job_driver import run_job
+        from service.job.inputs import resolve_inputs
 
         spec = parse_spec({**SPEC, "layout": {}})  # auto: 2 nodes x 2 workers
         params_path = os.path.join(storage, "two_nodes.params.pt")
@@ -371,8 +371,8 @@ SLEEPER = (sys.executable, "-c", "import time; time.sleep(120)")  # argv after -
 
 @pytest.fixture
 def runner(head, tmp_path, monkeypatch):
-    from service.api import runner as runner_module
-    from service.api.store import JobStore
+    from service.control import submitter as runner_module
+    from service.control.store import JobStore
 
     # jobs run a sleeper instead of training: these tests are about the queue
     monkeypatch.setattr(runner_module, "ENTRYPOINT", SLEEPER)
@@ -439,9 +439,9 @@ def test_cancel_while_the_runner_submits_stops_the_job_on_ray(runner):
 def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeypatch):
     import shlex
 
-    from service.api import runner as runner_module
+    from service.control import submitter as runner_module
 
-    monkeypatch.setattr(runner_module, "ENTRYPOINT", ("python", "-m", "service.train.entrypoint"))
+    monkeypatch.setattr(runner_module, "ENTRYPOINT", ("python", "-m", "service.driver.job_driver"))
     monkeypatch.setenv("DMUON_API_TOKEN", "the-admin-token")
     job = {"id": "dmuon-0123456789ab", "spec": {"name": "x"}, "plan": {}}
     argv = shlex.split(runner.command(job, "job-token"))
@@ -459,8 +459,8 @@ def test_a_cancelled_jobs_kept_steps_reach_its_metrics(runner):
     workers' own function): once Ray says STOPPED, the store holds those steps of every
     rank; a record the job posted stays as posted, a line cut short by the kill is left
     out, and so is a step not every rank of its layout kept."""
-    from service.api.records import StepRecord, ingest
-    from service.train.rank_records import keep_record
+    from service.control.step_records import StepRecord, ingest
+    from service.worker.rank_records import keep_record
 
     store = runner.store
     job_id = _job(store, "cancelled")
@@ -494,10 +494,10 @@ def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
     every step from 1 to the last one both ranks ran, each rank's; the MLflow run is
     KILLED with an end time and the W&B run has its exit record, each read back with
     its own tool; the job's log holds no traceback."""
-    from service.api import runner as runner_module
-    from service.api.store import JobStore
-    from service.plan.make import plan_document
-    from service.train.checkpoints import committed
+    from service.control import submitter as runner_module
+    from service.control.store import JobStore
+    from service.job.plan.make import plan_document
+    from service.worker.checkpoints import committed
 
     monkeypatch.setattr(runner_module, "JOB_ENV", {
         **runner_module.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})

@@ -12,10 +12,10 @@ import pytest
 import torch
 from _hf_reference import LLAMA, QWEN3_MOE
 
-from service.models.params import ParamRuleError, split_params
-from service.plan.layout import batch_split
-from service.spec import parse_spec
-from service.train.recipe import lr_factor
+from service.job.models.params import ParamRuleError, split_params
+from service.job.plan.layout_choice import batch_split
+from service.job.spec import parse_spec
+from service.worker.training_recipe import lr_factor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -7,7 +7,7 @@ the bound of tests/core/test_checkpoint.py's resharded loads, README "Correctnes
 uninterrupted 10-step 2x2 run. In float64 the layouts change only the order of the
 reductions; both layouts give every rank the same rows of the global batch. B restarted
 from its own step-8 checkpoint ends ``torch.equal`` to B. Bad values are refused, naming
-the field, by ``service.inputs`` (the API's check and the entrypoint's: both shown)."""
+the field, by ``service.job.inputs`` (the API's check and the entrypoint's: both shown)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from dmuon.testing import run
-from service.inputs import MANIFEST, resolve_inputs
-from service.spec import SpecError, parse_spec
+from service.job.inputs import MANIFEST, resolve_inputs
+from service.job.spec import SpecError, parse_spec
 
 A_ID = "dmuon-00000000000a"
 BASE = {"model": "tiny", "batch_size": 2, "seq_len": 32, "precision": "float64",
@@ -40,7 +40,7 @@ def _job(storage, spec_data, job_id):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.train.loop import run_training
+    from service.worker.loop import run_training
 
     spec = parse_spec(spec_data)
     inputs = resolve_inputs(spec, os.path.join(storage, "data"), storage)
@@ -180,7 +180,7 @@ def test_entrypoint_exits_2_and_the_api_answers_422_naming_the_field(roots, tmp_
                                                                     capsys):
     from _http import Service
 
-    from service.train.entrypoint import main
+    from service.driver.job_driver import main
 
     storage, _ = roots
     spec = tmp_path / "job.yaml"

@@ -17,8 +17,8 @@ import warnings
 import pytest
 from _http import ROOT, Service
 
-from service.spec import load_spec, parse_spec
-from service.spec.files import SpecFileError, position, read_spec_file
+from service.job.spec import load_spec, parse_spec
+from service.job.spec.spec_files import SpecFileError, position, read_spec_file
 
 # a flow mapping opened on line 3 (its "{" in column 9) and never closed: PyYAML's
 # ParserError at the ":" after "steps" (line 4, column 6)
@@ -146,7 +146,7 @@ def test_an_empty_yaml_or_toml_file_is_every_default(tmp_path):
 
 # -- the CLI and the entrypoint --------------------------------------------------------------
 def _cli(*args, **env):
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "service.control.cli", *args], cwd=ROOT,
                           env={**os.environ, **env}, capture_output=True, text=True,
                           timeout=60)
 
@@ -164,7 +164,7 @@ def test_the_cli_exits_2_naming_the_place(tmp_path, command, name, text, line, c
 
 def _entrypoint(tmp_path, spec):
     return subprocess.run(
-        [sys.executable, "-m", "service.train.entrypoint", "--spec", str(spec),
+        [sys.executable, "-m", "service.driver.job_driver", "--spec", str(spec),
          "--storage", str(tmp_path / "runs"), "--data-root", str(tmp_path)],
         cwd=ROOT, env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True,
         timeout=120)
@@ -249,7 +249,7 @@ def test_the_dashboard_names_every_kind_of_model():
     from playwright._impl._driver import compute_driver_executable
 
     node = compute_driver_executable()[0]  # the Node.js that Playwright ships
-    script = os.path.join(ROOT, "service", "api", "static", "model_name.js")
+    script = os.path.join(ROOT, "service", "control", "static", "model_name.js")
     models = ["tiny", {**HF, "hf": "models/llama", "weights": None}, HF,
               {"hf": "models/llama", "hf_arch": None, "config": {}}, FACTORY, DIMS]
     code = (f"const {{ modelName }} = require({json.dumps(script)});"

@@ -83,8 +83,8 @@ def test_two_processes_burst_with_retries_and_a_kill_lose_nothing(two_services):
 
 
 def test_malformed_spool_line_loses_only_itself(tmp_path):
-    from service.api.records import read_spool
-    from service.api.store import JobStore
+    from service.control.step_records import read_spool
+    from service.control.store import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
     try:
@@ -113,7 +113,7 @@ NAN = float("nan")
 def _offset(store, job_id):
     from sqlalchemy import select
 
-    from service.api.schema import jobs
+    from service.control.sql_tables import jobs
 
     with store.reader.connect() as conn:
         return conn.execute(select(jobs.c.spool_offset).where(jobs.c.id == job_id)).scalar()
@@ -122,7 +122,7 @@ def _offset(store, job_id):
 def _serve(tmp_path, db):
     env = {**os.environ, "DMUON_DB": str(db), "DMUON_LOCAL_RAY": "0",
            "DMUON_API_TOKEN": "t", "DMUON_STORAGE": str(tmp_path / "runs")}
-    return subprocess.run([sys.executable, "-m", "service.api.serve", "--port", "9"],
+    return subprocess.run([sys.executable, "-m", "service.control.serve", "--port", "9"],
                           env=env, capture_output=True, text=True, timeout=120)
 
 
@@ -152,13 +152,13 @@ def _read_only_as_root(tmp_path, db):
     env = {**os.environ, "DMUON_DB": str(db), "DMUON_LOCAL_RAY": "0",
            "DMUON_API_TOKEN": "t", "DMUON_STORAGE": str(tmp_path.parent / "runs")}
     script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && "
-              f"exec {sys.executable} -m service.api.serve --port 9")
+              f"exec {sys.executable} -m service.control.serve --port 9")
     return subprocess.run(["unshare", "-m", "sh", "-c", script], env=env,
                           capture_output=True, text=True, timeout=120)
 
 
 def test_sqlite_runs_in_wal_mode_with_pooled_connections(tmp_path):
-    from service.api.store import JobStore
+    from service.control.store import JobStore
 
     store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
     try:

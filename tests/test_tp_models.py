@@ -1,4 +1,4 @@
-"""The service's tensor-parallel plans (service/models/tp.py), sequence parallel on the
+"""The service's tensor-parallel plans (service/job/models/tp_plans.py), sequence parallel on the
 norms: the built-in model, HF Llama and HF Qwen3 on 4 gloo ranks as 1 x 2 x 2 and
 2 x 1 x 2, built on meta and materialised, ten float64 steps against one process running
 torch.optim.Muon (float64 NS) + AdamW on the whole batch, with no warning from FSDP2 of a
@@ -17,10 +17,10 @@ from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
 
 import dmuon
 from dmuon.testing import run
-from service.models import builtin
-from service.models.build import logits_of
-from service.models.builtin import causal_lm_loss, vocab_parallel
-from service.models.tp import apply_tp, check_tp_degree, tp_plan
+from service.job.models import builtin
+from service.job.models.build import logits_of
+from service.job.models.builtin import causal_lm_loss, vocab_parallel
+from service.job.models.tp_plans import apply_tp, check_tp_degree, tp_plan
 
 STEPS, ROWS, SEQ, SEED = 6, 8, 16, 3
 HF = {"llama": dict(vocab_size=256, hidden_size=64, intermediate_size=128,
@@ -153,7 +153,7 @@ def _head_gradients(rank, world, kind, sharded: bool):
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    from service.models.tp import tp_plan
+    from service.job.models.tp_plans import tp_plan
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
     model = make(kind)

@@ -1,6 +1,6 @@
 """The planner under tensor parallelism (``layout.tp``): R x N x T layouts and their
 refusals, each rank's memory and ``tp`` bytes against formulas written here from the
-torchtitan layout ``service.models.tp`` applies (and against what a 2 x 1 x 2 run of the
+torchtitan layout ``service.job.models.tp_plans`` applies (and against what a 2 x 1 x 2 run of the
 workers measures), ``tp: auto``, the elastic range at a fixed T, and stored documents
 from before tensor parallelism."""
 
@@ -12,12 +12,12 @@ import pytest
 import torch
 
 import dmuon
-from service.plan.document import Layout, PlanDocument, partition_digest
-from service.plan.elastic import elastic_document
-from service.plan.inventory import synthetic_inventory
-from service.plan.layout import PlacementError, check_fits
-from service.plan.predict import predict
-from service.spec import SpecError, parse_spec
+from service.job.plan.document import Layout, PlanDocument, partition_digest
+from service.job.plan.elastic import elastic_document
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.layout_choice import PlacementError, check_fits
+from service.job.plan.predict import predict
+from service.job.spec import SpecError, parse_spec
 
 # the tiny preset: vocabulary 256, hidden 64, 2 blocks, 4 heads and 2 KV heads of 16
 V, H, LAYERS, KV, FFN = 256, 64, 2, 32, 128
@@ -38,8 +38,8 @@ def cpus(n_nodes=1, per_node=4):
 
 def _partition(R: int, N: int) -> dict:
     """dmuon's partition of the tiny model on global shapes (as for T = 1)."""
-    from service.models.build import prepare_on_meta
-    from service.models.source import BUILTIN
+    from service.job.models.build import prepare_on_meta
+    from service.job.models.source import BUILTIN
 
     prepared = prepare_on_meta(tiny({}), BUILTIN, torch.float64)
     split = prepared.split
@@ -186,10 +186,10 @@ def test_tp_bytes_are_the_activation_collectives_and_gram_all_reduces(checkpoint
 def _measure(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.models.build import logits_of
-    from service.models.builtin import causal_lm_loss, vocab_parallel
-    from service.train.corpus import batch_at, load_corpus
-    from service.train.loop import build_training
+    from service.job.models.build import logits_of
+    from service.job.models.builtin import causal_lm_loss, vocab_parallel
+    from service.worker.corpus import batch_at, load_corpus
+    from service.worker.loop import build_training
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("replicate", "shard", "tp"))

@@ -20,9 +20,9 @@ def _train(rank, world, root):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.inputs import resolve_inputs
-    from service.spec import parse_spec
-    from service.train.loop import run_training
+    from service.job.inputs import resolve_inputs
+    from service.job.spec import parse_spec
+    from service.worker.loop import run_training
 
     spec = parse_spec(SPEC)
     mesh = init_device_mesh("cpu", LAYOUT, mesh_dim_names=("replicate", "shard", "tp"))

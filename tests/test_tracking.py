@@ -1,4 +1,4 @@
-"""The tracking sinks (service/train/tracking.py, sinks.py) from real step records: the
+"""The tracking sinks (service/driver/tracking_callback.py, sinks.py) from real step records: the
 training loop a Ray worker runs, 4 gloo ranks without Ray, its records handed to the
 controller's ``TrackingCallback`` as Ray Train would (split across calls, ranks out of
 order, steps reported again as after a restart), to TensorBoard, MLflow (a SQLite
@@ -21,8 +21,8 @@ from _tensorboard import event_files, scalars
 from _tracking import mlflow_run, wandb_run
 
 from dmuon.testing import run
-from service.spec import parse_spec
-from service.train import tracking
+from service.driver import tracking_callback as tracking
+from service.job.spec import parse_spec
 
 STEPS = 4
 SPEC = {"model": "tiny", "steps": STEPS, "batch_size": 2, "seq_len": 16,
@@ -33,7 +33,7 @@ SPEC = {"model": "tiny", "steps": STEPS, "batch_size": 2, "seq_len": 16,
 def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.train import loop
+    from service.worker import loop
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     records = []

@@ -38,8 +38,8 @@ from _elastic import SPEC as ELASTIC
 from _hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from _http import Service, alive, head_processes
 
-from service.api.ray_head import STATE_FILE
-from service.inputs.shards import write_shard
+from service.control.ray_head import STATE_FILE
+from service.job.inputs.shards import write_shard
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 USER_DIR = os.path.join(HERE, "data", "user_model")
@@ -70,7 +70,7 @@ def _exported(svc, job_id) -> dict:
 
 
 def _cli(svc, *args, cwd=None, timeout=300):
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "service.control.cli", *args], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd,
                           env={**os.environ, "DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token})
 
@@ -185,7 +185,7 @@ def _ray_submit(svc, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [os.path.join(os.path.dirname(sys.executable), "ray"), "job", "submit", "--address",
          dashboard, "--runtime-env-json", json.dumps(env), "--", sys.executable, "-m",
-         "service.train.entrypoint", *args], capture_output=True, text=True, timeout=400,
+         "service.driver.job_driver", *args], capture_output=True, text=True, timeout=400,
         env={**os.environ, "RAY_ADDRESS": ""})
 
 
@@ -247,7 +247,7 @@ def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc
     with open(edited, "w") as fh:
         json.dump(plan, fh)
     proc = subprocess.run(
-        [sys.executable, "-m", "service.train.entrypoint", "--spec", "job_checkpointed.yaml",
+        [sys.executable, "-m", "service.driver.job_driver", "--spec", "job_checkpointed.yaml",
          "--plan", edited, "--storage", storage, "--job-id", "edited"], cwd=USER_DIR,
         capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
     first = next(iter(params))
@@ -349,7 +349,7 @@ def test_ctrl_c_stops_the_service_and_every_process_of_its_head(svc):
     --keep-ray: tests/test_app_ray.py.)"""
     from _tracking import mlflow_run, wandb_run
 
-    from service.api.store import JobStore
+    from service.control.store import JobStore
 
     svc.kill()
     stderr = os.path.join(svc.root, "serve.stderr")

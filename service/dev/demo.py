@@ -55,7 +55,7 @@ def _interrupt(signum, frame):
 
 
 def main() -> int:
-    setup_logging(names=("service.cli", "service.dev.demo"))
+    setup_logging(names=("service.control.cli", "service.dev.demo"))
     signal.signal(signal.SIGTERM, _interrupt)  # clean up as on Ctrl-C
     root = os.path.abspath(os.environ.get("DEMO_DIR", "demo_runs"))
     port = _port(int(os.environ.get("DEMO_PORT", "8000")))
@@ -68,7 +68,7 @@ def main() -> int:
     os.makedirs(root, exist_ok=True)
     os.environ.update(DMUON_URL=url, DMUON_API_TOKEN=env["DMUON_API_TOKEN"])
     log.info("starting the control plane and a local Ray head (storage %s) ...", root)
-    service = subprocess.Popen([sys.executable, "-m", "service.api.serve"], env=env,
+    service = subprocess.Popen([sys.executable, "-m", "service.control.serve"], env=env,
                                start_new_session=True)
     try:
         wait_healthy(url, service)

@@ -18,9 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon.testing import leave_process_group
-from service.models.builtin import build_model, causal_lm_loss, get_config
-from service.models.params import split_params
-from service.train.corpus import batch_at, load_corpus
+from service.job.models.builtin import build_model, causal_lm_loss, get_config
+from service.job.models.params import split_params
+from service.worker.corpus import batch_at, load_corpus
 
 
 def main() -> None:

@@ -76,13 +76,13 @@ def foreign_imports(package: pathlib.Path) -> list[str]:
 def test_the_scans_find_what_they_look_for(tmp_path):
     """Each scan fails on a sample that breaks its rule: ``service`` imported through a
     helper, inside a function, and by import_module; a third-party import in a package."""
-    (tmp_path / "_helper.py").write_text("def f():\n    from service.train import models\n")
+    (tmp_path / "_helper.py").write_text("def f():\n    from service.worker import models\n")
     (tmp_path / "test_x.py").write_text(
-        "import os\nfrom _helper import f\n\n\ndef test():\n    import service.api.ray_head\n"
-        "    __import__('importlib').import_module('service.cli')\n")
+        "import os\nfrom _helper import f\n\n\ndef test():\n    import service.control.ray_head\n"
+        "    __import__('importlib').import_module('service.control.cli')\n")
     hits = service_imports([tmp_path / "test_x.py"], [tmp_path])
     assert len(hits) == 3, hits
-    assert any("_helper.py:2 from service.train import models" in h for h in hits), hits
+    assert any("_helper.py:2 from service.worker import models" in h for h in hits), hits
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "__init__.py").write_text("import os\nimport torch\nfrom . import sub\n")

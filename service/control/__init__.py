@@ -1,0 +1,3 @@
+"""The control plane: the FastAPI app and its routes, the job store and its migrations,
+the submitter that moves jobs onto Ray, the dashboard, the local Ray head and the CLI
+(``cli``). Imports ``service.job`` only: no torch, no module of the driver or workers."""

@@ -1,0 +1,364 @@
+"""The job store: jobs, specs, plans, status history and per-rank metrics, on SQLAlchemy.
+
+SQLite (one file, WAL, pooled connections) is the embedded default; PostgreSQL serves
+several replicas on one database. Every state change is a compare-and-set in one
+transaction, and the queue's claims take the ``locks`` row of the queue, so idempotency,
+``max_running`` and cancellation hold across processes, not only across threads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from sqlalchemy import Engine, and_, create_engine, delete, event, func, insert, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.exc import DBAPIError
+
+from service.job.failure import strip_ansi
+
+from .migrate import upgrade
+from .sql_tables import CLAIMED, SETTLED, STATES, SUBMITTED, TERMINAL, jobs, locks, metrics
+from .sql_tables import status_history as history_table
+
+ON_RAY = (CLAIMED, SUBMITTED)
+
+
+class StoreError(RuntimeError):
+    """The database cannot be opened or written; the message names it and says why."""
+
+
+def _sqlite_engine(url: str, begin: str) -> Engine:
+    engine = create_engine(url, pool_size=8, max_overflow=56, pool_timeout=60,
+                           connect_args={"timeout": 30, "check_same_thread": False})
+
+    @event.listens_for(engine, "connect")
+    def _connect(dbapi, _record):
+        dbapi.isolation_level = None  # the "begin" listener below opens transactions
+        dbapi.execute("PRAGMA busy_timeout = 30000")
+        dbapi.execute("PRAGMA journal_mode = WAL")  # readers never wait for the writer
+        dbapi.execute("PRAGMA synchronous = NORMAL")  # durable with WAL at commit points
+
+    @event.listens_for(engine, "begin")
+    def _begin(conn):
+        conn.exec_driver_sql(begin)
+
+    return engine
+
+
+def _engines(url: str) -> tuple[Engine, Engine]:
+    """(reader, writer). On SQLite a writer begins IMMEDIATE: it takes the write lock
+    first, so two writers never both read and then fail to upgrade; readers stay
+    concurrent under WAL."""
+    if url.startswith("sqlite"):
+        return _sqlite_engine(url, "BEGIN"), _sqlite_engine(url, "BEGIN IMMEDIATE")
+    engine = create_engine(url, pool_size=16, max_overflow=48, pool_pre_ping=True)
+    return engine, engine
+
+
+def _job(row) -> dict:
+    """A row as the API shows it (a row read without its plan has none)."""
+    job = dict(row._mapping)
+    job["spec"] = json.loads(job["spec"])
+    if "reason" in job:
+        job["reason"] = json.loads(job["reason"]) if job["reason"] else None
+    if "plan" in job:
+        job["plan"] = json.loads(job["plan"]) if job["plan"] else None
+    for private in ("job_token_hash", "spool_offset", "claimed_at", "ray"):
+        job.pop(private, None)
+    return job
+
+
+def _history(conn, job_id: str) -> list[dict]:
+    h = history_table.c
+    rows = conn.execute(select(h.status, h.time, h.message).where(h.job_id == job_id)
+                        .order_by(h.id)).all()
+    return [dict(r._mapping) for r in rows]
+
+
+class JobStore:
+    def __init__(self, url: str):
+        self.url = url
+        self.reader, self.writer = _engines(url)
+        try:
+            with self.writer.begin() as conn:
+                upgrade(conn)
+                # a store that opens but cannot be written fails here, not on a request
+                conn.execute(update(locks).where(locks.c.name == "queue")
+                             .values(n=locks.c.n))
+        except DBAPIError as e:
+            self.close()
+            raise StoreError(f"cannot use the job store {self.display_url()}: "
+                             f"{e.orig or e}") from None
+
+    def display_url(self) -> str:
+        return self.reader.url.render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        self.reader.dispose()
+        self.writer.dispose()
+
+    def _insert(self, table):
+        dialect = self.writer.dialect.name
+        return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+    # -- jobs ----------------------------------------------------------------------------
+    def create_job(self, name: str, spec: dict, *, dry_run: bool, plan: dict | None,
+                   idempotency_key: str | None = None, status: str = "PENDING",
+                   message: str | None = None) -> tuple[dict, bool]:
+        """(job, created): a new job, or the one an earlier request with the same key
+        made (whichever replica made it)."""
+        now, job_id = time.time(), f"dmuon-{uuid.uuid4().hex[:12]}"
+        row = {"id": job_id, "name": name, "spec": json.dumps(spec), "status": status,
+               "dry_run": dry_run, "idempotency_key": idempotency_key or None,
+               "plan": json.dumps(plan) if plan is not None else None, "created": now,
+               "updated": now, "message": message}
+        with self.writer.begin() as conn:
+            stmt = self._insert(jobs).values(**row)
+            if idempotency_key:
+                stmt = stmt.on_conflict_do_nothing(index_elements=["idempotency_key"])
+            # RETURNING, not rowcount: drivers disagree about rowcount for INSERT
+            created = conn.execute(stmt.returning(jobs.c.id)).first() is not None
+            if created:
+                conn.execute(insert(history_table).values(job_id=job_id, status=status,
+                                                          time=now, message=message))
+            else:
+                job_id = conn.execute(select(jobs.c.id).where(
+                    jobs.c.idempotency_key == idempotency_key)).scalar_one()
+        return self.get_job(job_id), created
+
+    def register_job(self, job_id: str, name: str, spec: dict, plan: dict,
+                     token_hash: str) -> dict | None:
+        """A job Ray already runs (started with ``ray job submit``), stored RUNNING under
+        its submission id and followed as submitted; None if that id is taken."""
+        now, message = time.time(), "registered by its entrypoint (ray job submit)"
+        row = {"id": job_id, "name": name, "spec": json.dumps(spec), "status": "RUNNING",
+               "dry_run": False, "plan": json.dumps(plan), "created": now, "updated": now,
+               "ray": SUBMITTED, "job_token_hash": token_hash}
+        with self.writer.begin() as conn:
+            stmt = self._insert(jobs).values(**row).on_conflict_do_nothing(
+                index_elements=["id"]).returning(jobs.c.id)
+            if conn.execute(stmt).first() is None:
+                return None
+            conn.execute(insert(history_table).values(job_id=job_id, status="RUNNING",
+                                                      time=now, message=message))
+        return self.get_job(job_id)
+
+    def get_job(self, job_id: str) -> dict | None:
+        with self.reader.connect() as conn:
+            row = conn.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        return _job(row) if row else None
+
+    def complete_plan(self, job_id: str, deferred: dict, plan: dict) -> bool:
+        """Store the plan a job's entrypoint completed in place of the deferred one it
+        was given; False if the stored plan is no longer ``deferred``."""
+        with self.writer.begin() as conn:
+            return conn.execute(
+                update(jobs).where(jobs.c.id == job_id, jobs.c.plan == json.dumps(deferred))
+                .values(plan=json.dumps(plan))).rowcount == 1
+
+    def job_view(self, job_id: str) -> dict | None:
+        """A job without its plan, with its status history: one read, one connection."""
+        cols = [c for c in jobs.c if c.name != "plan"]
+        with self.reader.connect() as conn:
+            row = conn.execute(select(*cols).where(jobs.c.id == job_id)).first()
+            if row is None:
+                return None
+            history = _history(conn, job_id)
+            events = conn.execute(select(metrics.c.record).where(
+                metrics.c.job_id == job_id, metrics.c.rank == 0,
+                metrics.c.record.like('%"layout_event": {%')).order_by(metrics.c.step)).all()
+        layouts = [{"step": r["step"], **r["layout_event"]}
+                   for r in (json.loads(text) for (text,) in events)]
+        return {**_job(row), "history": history, "layouts": layouts}
+
+    def list_jobs(self, status: str | None = None, limit: int = 1000) -> list[dict]:
+        cols = [c for c in jobs.c if c.name != "plan"]
+        query = select(*cols).order_by(jobs.c.created.desc()).limit(limit)
+        if status:
+            query = query.where(jobs.c.status == status)
+        with self.reader.connect() as conn:
+            rows = conn.execute(query).all()
+        return [_job(r) for r in rows]
+
+    def history(self, job_id: str) -> list[dict]:
+        with self.reader.connect() as conn:
+            return _history(conn, job_id)
+
+    def counts(self) -> dict[str, int]:
+        with self.reader.connect() as conn:
+            rows = conn.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status))
+            return {**dict.fromkeys(STATES, 0), **{s: n for s, n in rows}}
+
+    # -- status changes (compare-and-set) --------------------------------------------------
+    def _move(self, conn, job_id: str, status: str, message: str | None, *extra,
+              reason: dict | None = None) -> bool:
+        """``status`` unless the job is terminal (or already there); True if it moved.
+        Terminal escape codes (Ray colours its logs) never reach the store."""
+        now, message = time.time(), strip_ansi(message)
+        values = {"status": status, "message": message, "updated": now}
+        if reason is not None:
+            values["reason"] = json.dumps(reason)
+        moved = conn.execute(
+            update(jobs).where(jobs.c.id == job_id, jobs.c.status.not_in(TERMINAL),
+                               jobs.c.status != status, *extra)
+            .values(**values)).rowcount == 1
+        if moved:
+            conn.execute(insert(history_table).values(job_id=job_id, status=status, time=now,
+                                                      message=message))
+        return moved
+
+    def set_status(self, job_id: str, status: str, message: str | None = None) -> bool:
+        if status not in STATES:
+            raise ValueError(f"unknown status {status!r}")
+        with self.writer.begin() as conn:
+            return self._move(conn, job_id, status, message)
+
+    def cancel(self, job_id: str) -> tuple[dict | None, bool]:
+        """(job, on_ray): the job STOPPED unless it had ended; ``on_ray`` when Ray may
+        hold it (claimed or submitted), so the caller stops it there too. A runner that
+        submits meanwhile finds the job STOPPED when it marks it RUNNING, and stops it."""
+        with self.writer.begin() as conn:
+            query = select(jobs.c.ray).where(jobs.c.id == job_id)
+            if conn.dialect.name == "postgresql":
+                query = query.with_for_update()
+            row = conn.execute(query).first()
+            if row is None:
+                return None, False
+            self._move(conn, job_id, "STOPPED", "cancelled")
+        return self.get_job(job_id), row.ray in ON_RAY
+
+    # -- the queue ---------------------------------------------------------------------------
+    def claim_next(self, max_running: int, token_hash: str) -> dict | None:
+        """The oldest queued job, claimed for submission, if fewer than ``max_running``
+        jobs are on Ray; the queue row's lock makes the count and the claim atomic."""
+        with self.writer.begin() as conn:
+            conn.execute(update(locks).where(locks.c.name == "queue").values(n=locks.c.n + 1))
+            busy = conn.execute(select(func.count()).select_from(jobs)
+                                .where(jobs.c.ray.in_(ON_RAY))).scalar_one()
+            if busy >= max_running:
+                return None
+            job_id = conn.execute(
+                select(jobs.c.id).where(jobs.c.status == "PENDING", jobs.c.ray.is_(None),
+                                        jobs.c.dry_run.is_(False))
+                .order_by(jobs.c.created).limit(1)).scalar()
+            if job_id is None:
+                return None
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(
+                ray=CLAIMED, claimed_at=time.time(), job_token_hash=token_hash))
+        return self.get_job(job_id)
+
+    def mark_submitted(self, job_id: str) -> bool:
+        """PENDING (claimed) -> RUNNING once Ray has the job; False if it was cancelled
+        meanwhile (the job must then be stopped on Ray)."""
+        with self.writer.begin() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.ray == CLAIMED)
+                         .values(ray=SUBMITTED))
+            return self._move(conn, job_id, "RUNNING", None, jobs.c.status == "PENDING")
+
+    def release_claim(self, job_id: str) -> None:
+        """Back to the queue: a claim whose submission never reached Ray."""
+        with self.writer.begin() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.ray == CLAIMED)
+                         .values(ray=None, claimed_at=None))
+
+    def settle(self, job_id: str, status: str, message: str | None,
+               reason: dict | None = None) -> None:
+        """Ray says the job ended: record its final status, with why it failed when that
+        is known (unless the store already had one, such as STOPPED), and stop watching
+        it."""
+        with self.writer.begin() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id).values(ray=SETTLED))
+            self._move(conn, job_id, status, message, reason=reason)
+
+    def on_ray(self) -> list[dict]:
+        """Jobs claimed or submitted and not yet settled: what the runner reconciles."""
+        with self.reader.connect() as conn:
+            rows = conn.execute(select(jobs.c.id, jobs.c.status, jobs.c.ray,
+                                       jobs.c.claimed_at, jobs.c.spool_offset)
+                                .where(jobs.c.ray.in_(ON_RAY))).all()
+        return [dict(r._mapping) for r in rows]
+
+    def job_token_hash(self, job_id: str) -> str | None:
+        with self.reader.connect() as conn:
+            return conn.execute(select(jobs.c.job_token_hash)
+                                .where(jobs.c.id == job_id)).scalar()
+
+    def advance_spool(self, job_id: str, offset: int) -> None:
+        with self.writer.begin() as conn:
+            conn.execute(update(jobs).where(jobs.c.id == job_id,
+                                            jobs.c.spool_offset < offset)
+                         .values(spool_offset=offset))
+
+    # -- metrics -----------------------------------------------------------------------------
+    def add_metrics(self, job_id: str, records: list[tuple[int, int, str]], source: str,
+                    authoritative: bool) -> int:
+        """Store (step, rank, canonical JSON) records; returns how many were new or
+        corrected. A post never replaces a stored record; the job's own spool
+        (``authoritative``) replaces one that differs, so nothing posted can hide it."""
+        if not records:
+            return 0
+        now, steps = time.time(), [s for s, _, _ in records]
+        with self.writer.begin() as conn:
+            stored = {(s, r): text for s, r, text in conn.execute(
+                select(metrics.c.step, metrics.c.rank, metrics.c.record).where(
+                    metrics.c.job_id == job_id, metrics.c.step.between(min(steps),
+                                                                         max(steps))))}
+            fresh = [(s, r, t) for s, r, t in records if (s, r) not in stored]
+            wrong = [(s, r, t) for s, r, t in records
+                     if authoritative and stored.get((s, r), t) != t]
+            for s, r, _ in wrong:
+                conn.execute(delete(metrics).where(and_(
+                    metrics.c.job_id == job_id, metrics.c.step == s, metrics.c.rank == r)))
+            rows = [{"job_id": job_id, "step": s, "rank": r, "record": t, "received": now,
+                     "source": source} for s, r, t in fresh + wrong]
+            if not rows:
+                return 0
+            stmt = self._insert(metrics).on_conflict_do_nothing(
+                index_elements=["job_id", "step", "rank"]).returning(metrics.c.id)
+            return len(conn.execute(stmt, rows).all())
+
+    def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(metrics.c.record, metrics.c.received)
+                .where(metrics.c.job_id == job_id, metrics.c.step > after_step)
+                .order_by(metrics.c.step, metrics.c.rank)).all()
+        return [{**json.loads(text), "received": received} for text, received in rows]
+
+    def latest_records(self, job_id: str) -> list[dict]:
+        """Every rank's record of the job's newest step ([] before its first)."""
+        with self.reader.connect() as conn:
+            step = conn.execute(select(func.max(metrics.c.step))
+                                .where(metrics.c.job_id == job_id)).scalar()
+            if step is None:
+                return []
+            rows = conn.execute(select(metrics.c.record).where(
+                metrics.c.job_id == job_id, metrics.c.step == step)
+                .order_by(metrics.c.rank)).all()
+        return [json.loads(text) for (text,) in rows]
+
+    def metrics_after(self, job_id: str, cursor: int, limit: int = 1000):
+        """(id, record) in arrival order after ``cursor``: an event stream's position,
+        which no late rank of an earlier step can slip past."""
+        with self.reader.connect() as conn:
+            rows = conn.execute(
+                select(metrics.c.id, metrics.c.record, metrics.c.received)
+                .where(metrics.c.job_id == job_id, metrics.c.id > cursor)
+                .order_by(metrics.c.id).limit(limit)).all()
+        return [(i, {**json.loads(text), "received": received}) for i, text, received in rows]
+
+    def failure(self, job_id: str) -> tuple[dict | None, str | None]:
+        """(reason, message) of a job: why it failed, when that is known."""
+        with self.reader.connect() as conn:
+            row = conn.execute(select(jobs.c.reason, jobs.c.message)
+                               .where(jobs.c.id == job_id)).first()
+        if row is None:
+            return None, None
+        return (json.loads(row.reason) if row.reason else None), row.message
+
+    def job_status(self, job_id: str) -> str | None:
+        with self.reader.connect() as conn:
+            return conn.execute(select(jobs.c.status).where(jobs.c.id == job_id)).scalar()

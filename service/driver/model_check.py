@@ -1,0 +1,24 @@
+"""The driver's check of a stored plan against the model its workers will build, before
+any worker starts (the control plane plans; only the driver imports the job's model code
+for certain)."""
+
+from __future__ import annotations
+
+from service.job.models.source import ModelSource
+from service.job.plan.document import PlanDocument
+from service.job.spec import JobSpec
+
+
+def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) -> None:
+    """Refuse (``dmuon.PlanMismatch``, naming the first param that differs) a complete plan
+    whose partition does not describe the model the workers will build: where the job
+    starts, before any worker does (each worker's ``dedicate_params`` checks it again)."""
+    from dmuon.planning import DedicationPlan, check_plan, model_entries
+    from service.job.models.build import prepare_on_meta
+    from service.job.models.dtypes import DTYPES
+
+    prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
+    entries = model_entries(model, split.predicate, split.boundary_predicate(model))
+    check_plan(DedicationPlan.from_dict(plan.partition), entries, plan.layout.shard,
+               plan.layout.replicate)

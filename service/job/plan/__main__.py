@@ -1,0 +1,70 @@
+"""``python -m service.job.plan --model llama3-70b --nodes 8 --gpus-per-node 8 [--tp 8]``: the
+layout, the per-rank predictions and the mode for a model on synthetic GPU nodes."""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from ..models.dtypes import DTYPES
+from ..spec import parse_spec
+from ..spec.recipe_section import DMuonSpec
+from .inventory import synthetic_inventory
+from .modes import DEFAULT_GPU_GB, GB
+from .predict import BANDWIDTH, predict
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description="the layout, predictions and mode of a model")
+    ap.add_argument("--model", default="llama3-8b")
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--gpus-per-node", type=int, default=8)
+    # unset: the spec's default, and the reason says so; auto: the planner decides
+    ap.add_argument("--mode", choices=("auto", "z2", "z3"),
+                    help=f"dmuon.mode (default: {DMuonSpec.model_fields['mode'].default})")
+    ap.add_argument("--master-dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
+    ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--batch-size", type=int, default=1, help="sequences per GPU")
+    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--device-memory-gb", type=float, default=DEFAULT_GPU_GB)
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
+    ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
+    ap.add_argument("--tp", default="1", type=lambda v: v if v == "auto" else int(v),
+                    help="tensor-parallel degree T (layout.tp), or auto")
+    ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = parser().parse_args(argv)
+    precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
+                 "reduce_dtype": args.reduce_dtype}
+    spec = parse_spec({"model": args.model, "precision": precision,
+                       "batch_size": args.batch_size, "seq_len": args.seq_len,
+                       "activation_checkpointing":
+                           "non_reentrant" if args.activation_checkpointing else "none",
+                       "dmuon": {**({"mode": args.mode} if args.mode else {}),
+                                 "device_memory_gb": args.device_memory_gb},
+                       "layout": {"tp": args.tp},
+                       "resources_per_worker": {"CPU": 1, "GPU": 1}})
+    placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
+                        bandwidth={"nvlink": args.nvlink_gbps * 1e9,
+                                   "infiniband": args.ib_gbps * 1e9})
+    table = placement.table().splitlines()
+    print("\n".join(table[:2 + args.ranks] if args.ranks else table))
+    m = placement.modes
+    print(f"P_M = {placement.plan.total_elements:,} elements; packed buffers per rank: "
+          f"Z2 {placement.z2_packed_bytes / 1e9:.2f} GB resident, "
+          f"Z3 {placement.ranks[0].packed_peak / 1e9:.2f} GB peak"
+          if m.dmuon == "z3" else f"P_M = {placement.plan.total_elements:,} elements")
+    print(f"mode {m.dmuon.upper()} (FSDP2 {m.fsdp.upper()}): {m.reason}; one rank needs "
+          f"Z2 {m.z2_bytes / GB:.1f} GB, Z3 {m.z3_bytes / GB:.1f} GB of "
+          f"{m.device_bytes / GB:.0f} GB")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main()

@@ -1,0 +1,111 @@
+"""The plan document of a submission, made once: the layout on the attached cluster (or
+on assumed nodes, with the reason), the predictions, and the partition; or, for a model
+only the job's own processes can import, the layout alone (deferred: the job's
+entrypoint completes it, once, before any worker starts)."""
+
+from __future__ import annotations
+
+import threading
+
+from ..spec import JobSpec, SpecError
+from .document import Inventory, PlanDocument
+from .elastic import elastic_document
+from .inventory import NodeInfo, synthetic_inventory
+from .layout_choice import PlacementError, choose_layout, slots, spec_tp
+from .predict import Placement, predict
+
+
+def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                  model_inputs: dict | None = None) -> PlanDocument:
+    """``_plan_document`` for this spec and cluster, computed once: submissions come in
+    bursts of the same spec (retries, sweeps), and a plan builds a model."""
+    key = (spec.model_dump_json(), "mode" in spec.dmuon.model_fields_set,  # its reason
+           repr(cluster), assumed_cpus,
+           model_inputs.model_dump_json() if model_inputs is not None else None)
+    with _PLANS_LOCK:
+        cached = _PLANS.get(key)
+    if cached is None:
+        cached = _plan_document(spec, cluster, assumed_cpus, model_inputs).model_dump_json()
+        with _PLANS_LOCK:
+            _PLANS[key] = cached
+            while len(_PLANS) > 64:
+                _PLANS.pop(next(iter(_PLANS)))
+    return PlanDocument.model_validate_json(cached)
+
+
+_PLANS: dict[tuple, str] = {}
+_PLANS_LOCK = threading.Lock()
+
+
+def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                   model_inputs: dict | None = None) -> PlanDocument:
+    """The plan as stored with a job and run by its entrypoint: layout, per-rank
+    predictions, the partition, and the nodes it was planned on. Those are the attached
+    cluster's when the job fits them now; else (no cluster, or one that must grow first)
+    ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason."""
+    if spec.layout.elastic is not None:
+        return elastic_plan(spec, cluster, assumed_cpus, model_inputs)
+    try:
+        if not cluster:
+            raise PlacementError("no Ray cluster attached" if cluster is None else
+                                 "the Ray cluster lists no alive node")
+        layout = choose_layout(cluster, spec)
+        nodes, inventory = cluster, {"source": "cluster", "nodes": len(cluster)}
+    except PlacementError as on_cluster:
+        count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        nodes = synthetic_inventory(count, 0, cpus_per_node=assumed_cpus)
+        layout = choose_layout(nodes, spec)
+        inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
+                     "reason": str(on_cluster)}
+    try:  # tp: auto chooses T on the same nodes
+        placement = predict(spec, nodes, model_inputs=model_inputs,
+                            layout=layout if spec_tp(spec) else None)
+    except ImportError as e:  # a factory importable only from the job's working_dir
+        if spec_tp(spec) is None:
+            raise SpecError(f"layout.tp: auto chooses T on the model, which cannot be "
+                            f"built here ({type(e).__name__}: {e}); give layout.tp a "
+                            "number") from None
+        return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
+    return placement_document(placement, inventory)
+
+
+def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
+                  model_inputs) -> PlanDocument:
+    """Every node count of the range, on nodes shaped like the cluster's smallest that
+    fits a worker (else assumed ones): an elastic job runs on what the cluster holds."""
+    usable = [n for n in cluster or [] if slots(n, spec) > 0]
+    if usable:
+        node = min(usable, key=lambda n: slots(n, spec))
+        inventory = {"source": "cluster", "nodes": len(cluster)}
+    else:
+        node = synthetic_inventory(1, 0, cpus_per_node=assumed_cpus)[0]
+        inventory = {"source": "assumed", "nodes": 1, "cpus_per_node": assumed_cpus,
+                     "reason": "no Ray cluster attached" if cluster is None else
+                     "no node of the Ray cluster fits a worker"}
+    try:
+        return elastic_document(spec, node, inventory, model_inputs)
+    except ImportError as e:  # a factory importable only from the job's working_dir
+        plan = elastic_document(spec, node, inventory, False)
+        return plan.model_copy(update={"deferred": f"the model cannot be built here "
+                                       f"({type(e).__name__}: {e}); the job plans it"})
+
+
+def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
+    return PlanDocument(
+        layout=placement.layout,
+        inventory=Inventory(**inventory), modes=placement.modes.to_dict(),
+        param_groups=placement.split, ranks=[r.__dict__ for r in placement.ranks],
+        partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
+
+
+def deferred_document(spec: JobSpec, layout: tuple[int, int, int, int], inventory: dict,
+                      reason: str) -> PlanDocument:
+    """The layout alone, for a model only the job's own processes can import: the job's
+    entrypoint completes the plan (partition, mode) once, before any worker starts, and
+    stores it with the job."""
+    n_nodes, R, N, T = layout
+    placement = Placement(spec, n_nodes, R, N, None, [], tp=T)
+    return PlanDocument(
+        layout=placement.layout, inventory=Inventory(**inventory),
+        deferred=f"the model cannot be built here ({reason}); the job plans it",
+        scaling=placement.scaling_config_kwargs())

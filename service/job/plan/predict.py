@@ -1,0 +1,332 @@
+"""Per-rank predictions for a layout: the model built on the meta device as the workers
+build it, ``dmuon.partition``, and per rank the owned elements and NS FLOPs, the tensor
+bytes by kind (the kinds ``dmuon.memory_report`` measures), the bytes per step by mesh
+dim and phase (what ``dmuon.get_ledger`` counts), with a communication time from
+per-link bandwidths; and the mode (``dmuon.mode: auto``) they imply. Under tensor
+parallelism every rank (r, s, t) of a TP group gets its TP shards' share
+(``service.job.plan.tp_costs``) and the ``tp`` dim's bytes, timed on the node's link; ``tp: auto``
+and ``mode: auto`` choose together.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch
+
+import dmuon
+from dmuon import planning
+
+from ..models.dtypes import DTYPES
+from ..models.source import BUILTIN, ModelSource
+from ..spec import JobSpec, SpecError
+from .document import Layout, RankPrediction
+from .inventory import NodeInfo
+from .layout_choice import (
+    PlacementError,
+    batch_split,
+    choose_layout,
+    fsdp2_rows,
+    nodes_and_workers,
+    spec_tp,
+)
+from .modes import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
+from .tp_costs import TPView, activation_traffic, annotate, gram_bytes, local_plan, tp_view
+
+# Defaults per link kind, bytes/s (overridable): NVLink 4 on H100 moves 450 GB/s per
+# direction; one 400 Gb/s InfiniBand NDR port per GPU moves 50 GB/s. Loopback is a guess.
+BANDWIDTH = {"nvlink": 450e9, "infiniband": 50e9, "loopback": 5e9}
+
+
+@dataclass
+class Placement:
+    spec: JobSpec
+    nodes: int
+    replicate: int
+    shard: int
+    plan: dmuon.DedicationPlan  # the stored partition: global shapes, ``tp_size`` T
+    ranks: list[RankPrediction]
+    split: dict = field(default_factory=dict)  # which params got Muon, which AdamW
+    modes: ModeChoice | None = None
+    tp: int = 1
+    local: dmuon.DedicationPlan | None = None  # the partition as one TP rank holds it
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.tp
+
+    @property
+    def layout(self) -> Layout:
+        return Layout(replicate=self.replicate, shard=self.shard, nodes=self.nodes,
+                      tp=self.tp)
+
+    def scaling_config_kwargs(self) -> dict:
+        req = self.spec.resources_per_worker
+        resources = {"CPU": req.CPU, **({"GPU": req.GPU} if req.GPU else {}), **req.custom}
+        return {"num_workers": self.world_size, "use_gpu": req.GPU > 0,
+                "resources_per_worker": resources, "placement_strategy": "PACK"}
+
+    def table(self) -> str:
+        T = self.tp
+        dims = "replicate x shard" + (" x tp" if T > 1 else "")
+        coord = "(r,s,t)" if T > 1 else "(r,s)"
+        lines = [f"layout {self.layout.shown()} ({dims}) on {self.nodes} "
+                 f"nodes; imbalance {self.plan.imbalance:.4f}",
+                 f"{'rank':>5} {coord:>9} {'owned elts':>14} {'NS TFLOP':>9} "
+                 f"{'owned+mom GB':>12} {'Z2 packed GB':>12} {'Z3 peak GB':>10} "
+                 f"{'shard GB/step':>13} {'repl GB/step':>12}"
+                 + (f" {'tp GB/step':>10}" if T > 1 else "") + f" {'comm s':>8}"]
+        for r in self.ranks:
+            moved = {d: sum(r.ledger.get(d, {}).values()) for d in ("shard", "replicate", "tp")}
+            where = "(" + ",".join(map(str, r.coord)) + ")"
+            lines.append(
+                f"{r.rank:>5} {where:>9} {r.owned_elements:>14,} {r.ns_flops / 1e12:>9.2f}"
+                f" {(r.memory['owned_params'] + r.memory['momentum']) / 1e9:>12.2f}"
+                f" {self.z2_packed_bytes / 1e9:>12.2f} {r.packed_peak / 1e9:>10.2f}"
+                f" {moved['shard'] / 1e9:>13.2f} {moved['replicate'] / 1e9:>12.2f}"
+                + (f" {moved['tp'] / 1e9:>10.2f}" if T > 1 else "")
+                + f" {r.comm_seconds:>8.4f}")
+        return "\n".join(lines)
+
+    @property
+    def z2_packed_bytes(self) -> int:
+        plan = self.local if self.local is not None else self.plan
+        return plan.total_elements * DTYPES[self.spec.precision.compute].itemsize
+
+
+def _fsdp_bytes(shapes: list[tuple], n: int, rank: int, elt: int) -> tuple[int, int]:
+    """(FSDP2 shard storage, AdamW state) bytes: FSDP2 pads dim 0 to a multiple of N
+    and keeps each shard in a padded buffer; AdamW's zeros_like sees the unpadded rows.
+    Under TP the shapes are the TP shards' (FSDP2 shards a TP shard's rows)."""
+    storage = state = 0
+    for shape in shapes:
+        rows, rest = shape[0], math.prod(shape[1:])
+        lo, hi = fsdp2_rows(rows, n, rank)
+        mine = hi - lo
+        storage += -(-rows // n) * rest * elt if mine else 0
+        state += 2 * mine * rest * elt
+    return storage, state
+
+
+def _bytes_of(spec: JobSpec) -> tuple[int, int, int]:
+    """(param, master, reduce) bytes per element under the spec's precision."""
+    p = spec.precision
+    return (DTYPES[p.compute].itemsize, DTYPES[p.master_dtype].itemsize,
+            DTYPES[p.reduce].itemsize)
+
+
+def _clip_bytes(spec: JobSpec, n: int, r: int, master: int, t: int = 1) -> dict[str, Fraction]:
+    """clip_grad_norm_'s all-reduce of two squared norms (ledger phase ``step``), on the
+    shard, replicate and (under TP) tp groups."""
+    if spec.clip_grad_norm is None:
+        return {}
+    size = 2 * max(master, 4)
+    out = {"shard": Fraction(2 * (n - 1), n) * size}
+    if r > 1:
+        out["replicate"] = Fraction(2 * (r - 1), r) * size
+    if t > 1:
+        out["tp"] = Fraction(2 * (t - 1), t) * size
+    return out
+
+
+def _gram_elt(spec: JobSpec, master: int) -> int:
+    """Bytes per element of the Gram matrices NS over TP shards all-reduces: the spec's
+    ``ns_gram_dtype``, else its ``ns_dtype``, else ``dmuon``'s default (fp16 for Gram NS
+    on GPUs, the update's own dtype on CPUs)."""
+    o = spec.optimizer
+    name = o.ns_gram_dtype or o.ns_dtype
+    if name is not None:
+        return DTYPES[name].itemsize
+    if spec.resources_per_worker.GPU:
+        return 2
+    return master
+
+
+def _model_and_plan(spec: JobSpec, source: ModelSource | None, R: int, N: int, T: int):
+    """(model on meta, its Muon/AdamW split, the partition, its TP view) as the workers
+    will make them; a TP degree the model refuses is a SpecError naming ``layout.tp``."""
+    from ..models.build import prepare_on_meta
+
+    prepared = prepare_on_meta(spec, source or BUILTIN, DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
+    embed = _embedding(model)
+    try:
+        view = tp_view(model, T, prepared.blocks, embed.embedding_dim if embed else 0,
+                       embed.num_embeddings if embed else 0)
+    except ValueError as e:
+        raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
+    plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
+                           hook_boundary_predicate=split.boundary_predicate(model))
+    annotate(plan, view.splits, T)
+    return model, split, plan, view
+
+
+def _embedding(model):
+    return next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+
+
+def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
+            inter_link="infiniband", bandwidth=None, model_inputs: ModelSource | None = None,
+            layout: tuple[int, int, int, int] | None = None) -> Placement:
+    """Choose the layout (``tp: auto``: the smallest T that runs) and the mode, and
+    predict what every rank holds and moves per step (DMuon's share from ``dmuon.planning``
+    on each TP rank's shards, FSDP2's from the padded shards, TP's from the plan's
+    styles)."""
+    if layout is None and spec_tp(spec) is None:
+        return _choosing_tp(spec, nodes, intra_link=intra_link, inter_link=inter_link,
+                            bandwidth=bandwidth, model_inputs=model_inputs)
+    n_nodes, R, N, T = layout or choose_layout(nodes, spec)
+    try:  # refused here, before any worker starts
+        batch = batch_split(spec, R * N)
+    except ValueError as e:
+        raise SpecError(str(e)) from None
+    model, split, plan, view = _model_and_plan(spec, model_inputs, R, N, T)
+    local = local_plan(plan, view.splits, T)
+    others = view.local_shapes(model, [n for n, _ in model.named_parameters()
+                                       if not split.predicate(n)])
+    modes = choose_mode(spec, model, split, local, others, nodes, N, view)
+    spans_nodes = N * T > R * N * T // n_nodes  # a shard group over several nodes
+    links = {"shard": inter_link if spans_nodes else intra_link if N > 1 else "loopback",
+             "replicate": inter_link, "tp": intra_link}
+    bw = {dim: {**BANDWIDTH, **(bandwidth or {})}[link] for dim, link in links.items()}
+    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), batch, bw)
+    return Placement(spec, n_nodes, R, N, plan, ranks, split.to_dict(), modes, tp=T,
+                     local=local)
+
+
+def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
+               batch: tuple[int, int], master: int) -> dict[str, Fraction]:
+    """``{phase: bytes}`` on the ``tp`` dim per step: the activation conversions of every
+    micro-batch and the Gram all-reduces (or gathers) of the slot's matrices."""
+    elt = _bytes_of(spec)[0]
+    micros, rows = batch
+    act = activation_traffic(view.convs, tokens=rows * spec.seq_len, elt=elt, T=view.T,
+                             checkpointing=spec.activation_checkpointing)
+    out = {k: v * micros for k, v in act.items()}
+    gram = gram_bytes(plan, slot, view.T, gram_elt=_gram_elt(spec, master),
+                      master_elt=master, steps=spec.optimizer.ns_steps)
+    # the step's flags are summed over TP as over the DP dims (every peer skips alike)
+    flags = Fraction(2 * (view.T - 1), view.T) * planning.presence_flags(plan) \
+        * planning.PRESENCE_BYTES
+    out["step"] = gram + flags
+    return out
+
+
+def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
+           dp: tuple[int, int], batch: tuple[int, int], bw: dict) -> list[RankPrediction]:
+    """Every rank's prediction, rank ``(r * N + s) * T + t`` at (r, s[, t])."""
+    (R, N), T = dp, view.T
+    elt, master, reduce = _bytes_of(spec)
+    z3 = modes.dmuon == "z3"
+    peak = planning.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=elt)
+    clip = _clip_bytes(spec, N, R, master, T)
+    ranks = []
+    for rank in range(R * N * T):
+        slot, t = divmod(rank, T)
+        r, s = divmod(slot, N)
+        fsdp, adamw = _fsdp_bytes(others, N, s, master)
+        ledger = planning.ledger_prediction(local, slot, z3=z3, param_bytes=elt,
+                                        reduce_bytes=reduce)
+        if T > 1:
+            ledger["tp"] = _tp_ledger(spec, plan, view, slot, batch, master)
+        for dim, extra in clip.items():
+            ledger[dim]["step"] = Fraction(ledger[dim].get("step", 0)) + extra
+        ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}
+                  for d, p in ledger.items()}
+        memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=elt,
+                                           master_bytes=master),
+                  "fsdp_shards": fsdp, "adamw_state": adamw}
+        seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
+        ranks.append(RankPrediction(
+            rank=rank, coord=(r, s, t) if T > 1 else (r, s),
+            owned_elements=local.elements_per_rank[slot],
+            ns_flops=local.ns_flops_per_rank[slot], memory=memory, packed_peak=peak,
+            ledger=ledger, comm_seconds=seconds))
+    return ranks
+
+
+def device_bytes(spec: JobSpec, nodes: list[NodeInfo], per_node: int) -> int:
+    """The memory of one worker's device: the spec's, 80 GB per GPU worker, else the
+    node's memory shared by its workers (Ray's ``memory`` resource)."""
+    if spec.dmuon.device_memory_gb is not None:
+        return int(spec.dmuon.device_memory_gb * GB)
+    if spec.resources_per_worker.GPU:
+        return int(DEFAULT_GPU_GB * GB)
+    memory = min((n.resources.get("memory", 0) for n in nodes), default=0)
+    return int(memory / max(1, per_node)) if memory else int(DEFAULT_CPU_GB * GB)
+
+
+def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
+                view: TPView | None = None) -> ModeChoice:
+    """The mode to run (``auto``: the seeds' tree on one rank's worst-case memory).
+    ``plan`` and ``others``: as one TP rank holds them (``view``: the TP degree)."""
+    elt, master, _ = _bytes_of(spec)
+    T = view.T if view is not None else 1
+    world = plan.world_size
+    embed = _embedding(model)
+    act = activation_bytes(tokens=spec.batch_size * spec.seq_len,
+                           hidden=embed.embedding_dim if embed else 0,
+                           layers=len(split.fsdp_units),
+                           vocab=embed.num_embeddings if embed else 0, elt=elt,
+                           checkpointed=spec.activation_checkpointing != "none", tp=T,
+                           logits_split=view.logits_split if view is not None else 1)
+    gathered_others = sum(math.prod(s) for s in others) * elt
+    fsdp_by_index = [_fsdp_bytes(others, shard, s, master) for s in range(shard)]
+    totals = {}
+    for z3 in (False, True):
+        peak = planning.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
+        worst = 0
+        for rank in range(world):
+            fsdp, adamw = fsdp_by_index[rank % shard]
+            held = planning.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
+                                          master_bytes=master)
+            grads = plan.elements_per_rank[rank] * master + fsdp
+            worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
+                        + grads)
+        totals[z3] = worst + peak + gathered_others + act
+    per_node = -(-world * T // max(1, len(nodes)))
+    params = sum(p.numel() for p in model.parameters())
+    return decide(spec.dmuon, params=params, gpus=world * T, shard=shard,
+                  device_bytes=device_bytes(spec, nodes, per_node), z2_bytes=totals[False],
+                  z3_bytes=totals[True], resident_pm=plan.total_elements * elt,
+                  device="GPU" if spec.resources_per_worker.GPU else "CPU")
+
+
+def needed_bytes(modes: ModeChoice) -> int:
+    """One rank's peak in the mode chosen."""
+    return modes.z3_bytes if modes.dmuon == "z3" else modes.z2_bytes
+
+
+def _choosing_tp(spec: JobSpec, nodes: list[NodeInfo], **kwargs) -> Placement:
+    """``layout.tp: auto``: the smallest T (dividing a node's workers, accepted by the
+    model) with which the global batch splits and a rank fits its memory; where none
+    fits, the T that needs the least. The choice and the degrees passed over are said
+    in the mode's reason."""
+    _, per_node = nodes_and_workers(nodes, spec)
+    tried, best = [], None
+    for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
+        try:
+            placement = predict(spec, nodes, layout=choose_layout(nodes, spec, T), **kwargs)
+        except (PlacementError, SpecError) as e:
+            tried.append(f"T={T}: {str(e).removeprefix('layout.tp: ')}")
+            continue
+        need = needed_bytes(placement.modes)
+        if placement.modes.fits:
+            return _with_tp_reason(placement, f"the smallest that fits ({need / GB:.1f} GB "
+                                   "per rank)", tried)
+        tried.append(f"T={T}: a rank needs {need / GB:.1f} GB")
+        if best is None or need < needed_bytes(best.modes):
+            best = placement
+    if best is None:
+        raise SpecError("layout.tp: auto: no tensor-parallel degree can run: "
+                        + "; ".join(tried))
+    return _with_tp_reason(best, "none fits; the one that needs the least", tried)
+
+
+def _with_tp_reason(placement: Placement, why: str, tried: list[str]) -> Placement:
+    m = placement.modes
+    over = f" (passed over: {'; '.join(tried)})" if tried else ""
+    m.reason = f"{m.reason}; layout.tp: auto chose T={placement.tp}, {why}{over}"
+    return placement

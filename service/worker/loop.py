@@ -1,0 +1,314 @@
+"""``train_loop_per_worker`` for ``ray.train.torch.TorchTrainer``, and the training loop
+it runs on a built mesh: build on meta, DMuon then FSDP2, materialise (or load the
+weights), then per step the LR schedule, accumulation under ``no_sync``, global
+clipping, the optimizer step, validation, checkpoints, and at the end the export."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+import dmuon
+from service.job import failure
+from service.job.models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
+from service.job.models.builtin import causal_lm_loss, vocab_parallel
+from service.job.models.dtypes import DTYPES, muon_kwargs
+from service.job.models.source import BUILTIN
+from service.job.models.tp_plans import apply_tp
+from service.job.plan.document import PlanDocument, partition_digest
+from service.job.plan.layout_choice import batch_split
+from service.job.spec import JobSpec, parse_spec
+
+from . import checkpoints, layout_events, training_recipe
+from .batches import Batches
+from .capacity import CapacityWatch, ray_capacity
+from .data_parallel import DataParallel
+from .export import export
+from .mesh import build_mesh, device, tp_size
+from .rank_records import keep_record
+from .step_metrics import flops_per_token, peak_flops, step_record
+from .weights import load_weights
+
+BUILTIN_INPUTS = {"model": BUILTIN, "data": {"kind": "builtin"}}
+
+
+def run_modes(spec: JobSpec, plan: PlanDocument | None, modes: dict | None) -> dict:
+    """``{"dmuon": "z2"|"z3", "fsdp": ...}``: the plan's (which decided ``auto``), else
+    the given ones, else the spec's, FSDP2 mirroring DMuon unless the spec sets it apart."""
+    if plan is not None and plan.modes is not None:
+        return {"dmuon": plan.modes.dmuon, "fsdp": plan.modes.fsdp}
+    if modes is None:
+        if spec.dmuon.mode == "auto":
+            raise ValueError("dmuon.mode: auto is decided by the planner; run the plan")
+        modes = {"dmuon": spec.dmuon.mode, "fsdp": spec.dmuon.fsdp_mode(spec.dmuon.mode)}
+    return modes
+
+
+def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
+                   modes: dict | None = None, plan: PlanDocument | None = None):
+    """(model, optimizer, param split): built on the meta device, DMuon (on the plan's
+    partition, when there is a plan) then FSDP2 per block and on the root; each rank
+    materialises only what it keeps."""
+    inputs = inputs or BUILTIN_INPUTS
+    modes = run_modes(spec, plan, modes)
+    prepared = prepare_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
+    model, split = prepared.model, prepared.split
+    tp = tp_size(mesh)
+    if tp > 1:
+        if inputs["model"].weights:
+            raise ValueError("model.weights with layout.tp > 1: loading weights into "
+                             "tensor-parallel shards is not supported yet")
+        apply_tp(model, mesh["tp"])  # TP first, as torchtitan orders it
+    compile_blocks(spec, model, prepared.blocks)
+    hsdp = mesh["replicate"].size() > 1
+    dp_mesh = mesh["replicate", "shard"] if tp > 1 else mesh
+    policy = training_recipe.mp_policy(spec)
+    dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
+                          replicate_mesh=mesh["replicate"] if hsdp else None,
+                          reshard_after_forward=modes["dmuon"] == "z3",
+                          hook_boundary_predicate=split.boundary_predicate(model),
+                          plan=plan.partition if plan is not None else None)
+    fsdp = {"mesh": dp_mesh if hsdp else mesh["shard"],
+            "reshard_after_forward": modes["fsdp"] == "z3",
+            **({"mp_policy": policy} if policy is not None else {})}
+    for fqn in split.fsdp_units:
+        dmuon.fully_shard(model.get_submodule(fqn), **fsdp)
+    dmuon.fully_shard(model, **fsdp)
+    dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(inputs["model"], model))
+    if inputs["model"].weights:
+        load_weights(model, inputs["model"].weights)
+    model.train()
+    opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
+    return model, opt, split
+
+
+@torch.no_grad()
+def validation_loss(model, spec: JobSpec, batches: Batches, dp: DataParallel,
+                    split: tuple[int, int]) -> float:
+    """The mean loss of ``val_batches`` batches shaped as a training step's (``split``:
+    micro-batches, rows per rank), so every layout scores the same rows; averaged over
+    the data-parallel ranks (collective)."""
+    total = torch.zeros((), dtype=torch.float64, device=device())
+    micros, per_rank = split
+    for i in range(spec.data.val_batches):
+        for m in range(micros):
+            rows = dp.rows(batches, i, per_rank, m, micros).to(device())
+            with vocab_parallel(dp.tp):
+                total += causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).double()
+    return dp.mean(total / (micros * spec.data.val_batches))
+
+
+def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: DataParallel,
+               split: tuple[int, int]) -> tuple[float, float | None]:
+    """One optimizer step over ``split[0]`` micro-batches of ``split[1]`` rows per rank;
+    returns (this rank's loss, grad norm)."""
+    loss = torch.zeros((), dtype=torch.float64, device=device())
+    micros, per_rank = split
+    for i in range(micros):
+        rows = dp.rows(batches, step, per_rank, i, micros).to(device())
+        skip_sync = i < micros - 1
+        with dmuon.no_sync(model) if skip_sync else contextlib.nullcontext(), \
+                vocab_parallel(dp.tp):
+            micro_loss = causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]) / micros
+            micro_loss.backward()
+        loss += micro_loss.detach().double()
+    norm = None
+    if spec.clip_grad_norm is not None:
+        norm = dmuon.clip_grad_norm_(model, spec.clip_grad_norm).item()
+    opt.step()
+    opt.zero_grad()
+    return loss.item(), norm
+
+
+class NonfiniteSteps:
+    """Steps ``dmuon.Muon`` skipped for a non-finite gradient (every rank skips the same
+    ones): marked in each record; after more than ``allowed`` in a row the job fails,
+    naming the step, the ranks and the last good checkpoint."""
+
+    def __init__(self, allowed: int, start: int):
+        self.allowed, self.in_a_row, self.last_skip = allowed, 0, None
+        self.last_good = f"step {start} (resumed)" if start else None
+        self._seen = 0
+
+    def after_step(self, opt, record: dict, step: int) -> None:
+        skipped = opt.skipped_steps > self._seen
+        self._seen = opt.skipped_steps
+        self.in_a_row = self.in_a_row + 1 if skipped else 0
+        if skipped:
+            self.last_skip = (step, list(opt.nonfinite_ranks))
+        record.update(skipped=skipped, skipped_steps=opt.skipped_steps,
+                      nonfinite_ranks=list(opt.nonfinite_ranks) if skipped else [])
+
+    def check(self) -> None:
+        if self.in_a_row > self.allowed:
+            step, ranks = self.last_skip
+            raise RuntimeError(
+                f"step {step}: {self.in_a_row} steps in a row skipped for a non-finite "
+                f"gradient (more than max_nonfinite_steps={self.allowed}); not finite on "
+                f"rank(s) {', '.join(map(str, ranks))}; last good checkpoint: "
+                f"{self.last_good or 'none (no checkpoint committed yet)'}")
+
+
+def _coordinates(mesh: DeviceMesh) -> tuple[list[int], list[int]]:
+    """(this rank's coordinate, the layout)."""
+    dims = mesh.mesh_dim_names
+    return [mesh[d].get_local_rank() for d in dims], [mesh[d].size() for d in dims]
+
+
+def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int, int],
+                dp: DataParallel):
+    """(tokens per rank, tokens per step, FLOPs per token on this rank, peak FLOP/s). The
+    T ranks of a tensor-parallel group share their tokens' FLOPs: each does 1/T."""
+    blocks = len(split.fsdp_units)
+    hidden = next((m.embedding_dim for m in model.modules()
+                   if isinstance(m, torch.nn.Embedding)), 0)
+    per_rank = batch[0] * batch[1] * spec.seq_len
+    return (per_rank, dp.tokens(per_rank),
+            flops_per_token(model, blocks, hidden, spec.seq_len) / tp_size(mesh),
+            peak_flops(spec.metrics.peak_tflops, device()))
+
+
+def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
+                 inputs: dict | None = None, modes: dict | None = None, export_dir=None,
+                 export_only=False, node_ids=None, node_ip=None,
+                 progress: dict | None = None, plan: PlanDocument | None = None,
+                 job_dir: str | None = None, capacity: CapacityWatch | None = None):
+    """The training loop on a built mesh; returns the model. ``report(record, path)``
+    gets every step's record and, on checkpoint steps, the committed directory.
+    ``progress`` (if given) always holds the phase and the 1-based step in progress.
+    With ``job_dir``, each rank keeps its records there and rank 0 logs this start's layout
+    event there and reports it. With ``capacity`` (an elastic job), a step after which Ray
+    Train could start a larger planned layout is checkpointed, for the coming resize."""
+    inputs = inputs or BUILTIN_INPUTS
+    progress = progress if progress is not None else {}
+    progress.update(phase="setup", step=None)
+    model, opt, split = build_training(spec, mesh, inputs, modes, plan)
+    digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
+    rank = dist.get_rank()
+    coord, layout = _coordinates(mesh)
+    dp = DataParallel.of(mesh)
+    batch = batch_split(spec, dp.size)
+    data = inputs["data"]
+    train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
+    val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, mesh, batch, dp)
+    base_lrs = [g["lr"] for g in opt.param_groups]
+    start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
+    nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
+    event = layout_events.start_event(job_dir, layout, start) if job_dir and rank == 0 else None
+    if export_only:
+        return _export_only(model, spec, inputs["model"], mesh, export_dir,
+                            (start, checkpoint_dir), progress)
+    for step in range(start, spec.steps):
+        progress.update(phase="step", step=step + 1)  # numbered as the records are
+        t0 = time.perf_counter()
+        lrs = training_recipe.apply_lr(opt, base_lrs, training_recipe.lr_factor(spec, step))
+        loss, norm = train_step(model, opt, spec, train, step, dp, batch)
+        record = step_record(model, opt, step=step + 1, loss=loss,
+                             elapsed=time.perf_counter() - t0, tokens=tokens,
+                             global_tokens=global_tokens, flops_token=flops_token,
+                             peak=peak, lr=lrs, grad_norm=norm)
+        record.update(coord=coord, layout=layout, resumed_from=start,
+                      partition_digest=digest, layout_event=event,
+                      node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
+        event = None
+        nonfinite.after_step(opt, record, step + 1)
+        grow = False
+        if capacity is not None:
+            record["capacity"], grow = capacity.poll()
+        if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
+            record["val_loss"] = validation_loss(model, spec, val, dp, batch)
+        keep_record(job_dir, record)  # before the checkpoint and the report
+        path = None
+        if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
+            path = nonfinite.last_good = checkpoints.save(
+                spec, checkpoint_dir, step + 1, model, opt)
+        report(record, path)
+        nonfinite.check()
+    return _export_at_end(model, spec, inputs["model"], mesh, export_dir, progress)
+
+
+def _export_at_end(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir, progress: dict):
+    progress.update(phase="export", step=None)
+    if out_dir and spec.export.enabled:
+        export_model(model, spec, source, mesh, out_dir)
+    return model
+
+
+def _export_only(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str,
+                 resumed: tuple[int, str | None], progress: dict):
+    progress.update(phase="export")
+    if resumed[0] == 0:
+        raise RuntimeError(f"nothing to export: no committed checkpoint in {resumed[1]}")
+    export_model(model, spec, source, mesh, out_dir)
+    return model
+
+
+def export_model(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str) -> str:
+    from .export_config import config_writer
+
+    dtype = DTYPES[spec.export.dtype or spec.precision.master_dtype]
+    return export(model, mesh, out_dir, dtype=dtype,
+                  write_config=config_writer(spec, source, model))
+
+
+def _quiet_reports() -> None:
+    """Ray Train (2.60) logs each ``ray.train.report`` with its whole metrics
+    dict at INFO, from a logger named by its file's path, which ``LoggingConfig``'s level
+    (for the ``ray.train`` loggers) does not reach: that logger alone gets WARNING. The
+    controller's ``step_line`` says the same once per step."""
+    from ray.train.v2._internal.execution import context
+
+    logging.getLogger(context.__file__).setLevel(logging.WARNING)
+
+
+def train_loop_per_worker(config: dict) -> None:
+    """A worker's whole run. Its first exception is described (type, message, rank,
+    step, frames) in the job's failure file, first writer wins, then re-raised."""
+    import ray.train
+
+    _quiet_reports()
+    progress: dict = {"phase": "setup", "step": None}
+    try:
+        _worker(config, progress)
+    except Exception as e:
+        if config.get("failure_file"):
+            failure.record_first(config["failure_file"], failure.describe(
+                e, rank=ray.train.get_context().get_world_rank(), step=progress["step"],
+                phase=progress["phase"], source="worker"))
+        raise
+
+
+def _worker(config: dict, progress: dict) -> None:
+    import ray.train
+    import ray.util
+
+    spec = parse_spec(config["spec"])
+    # an elastic job's layout is the one planned for the workers Ray Train started
+    world = ray.train.get_context().get_world_size()
+    plan = PlanDocument.model_validate(config["plan"]).for_world(world)
+    torch.set_num_threads(int(config.get("threads", 1)))
+    mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard, plan.layout.tp)
+    rank = dist.get_rank()
+    capacity = None if plan.elastic is None else CapacityWatch(
+        ray_capacity(plan.scaling, plan.scaling.num_workers),
+        {e.layout.world_size for e in plan.runnable()}, world, device())
+
+    def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
+        ray.train.report(record)
+
+    model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
+                         inputs=config.get("inputs"), plan=plan,
+                         export_dir=config.get("export_dir"),
+                         export_only=config.get("export_only", False), node_ids=node_ids,
+                         node_ip=ray.util.get_node_ip_address(),
+                         progress=progress, job_dir=config.get("job_dir"), capacity=capacity)
+    if config.get("return_params"):
+        params = dmuon.full_state_dict(model)
+        if rank == 0:
+            torch.save(params, config["return_params"])
