@@ -75,6 +75,27 @@ def _cycle_from(start: str) -> list[str] | None:
     return None
 
 
+def _unresolved(mod: str, path: str, node: ast.ImportFrom) -> list[str]:
+    """What a relative import names that is no module of the project (nor, for ``from
+    .. import x``, a name its package defines): the graph above would drop it silently,
+    and the import fail only when the file runs."""
+    base = ".".join(p for p in (_base(mod, path, node.level), node.module or "") if p)
+    if base not in modules():
+        return [base]
+    source = open(modules()[base]).read()
+    return [f"{base}.{a.name}" for a in node.names if not node.module
+            and f"{base}.{a.name}" not in modules()
+            and not re.search(rf"^(def |class )?{a.name}\b", source, flags=re.M)]
+
+
+def test_every_relative_import_names_a_module_of_the_project():
+    missing = [f"{path}:{node.lineno} {name}" for mod, path in modules().items()
+               for node in ast.walk(ast.parse(open(path).read(), path))
+               if isinstance(node, ast.ImportFrom) and node.level
+               for name in _unresolved(mod, path, node)]
+    assert not missing, missing
+
+
 def test_no_import_cycle_in_dmuon_or_service():
     cycles = {" -> ".join(c) for c in map(_cycle_from, sorted(modules())) if c}
     assert not cycles, "\n".join(sorted(cycles))

@@ -19,10 +19,10 @@ import subprocess
 import sys
 import time
 
-from .. import cli
-from ..api.ray_head import free_port, stop_recorded
-from ..api.serve import wait_healthy
-from ..cli.output import setup_logging
+from ..control.cli import commands as cli
+from ..control.cli.output import setup_logging
+from ..control.ray_head import free_port, stop_recorded
+from ..control.serve import wait_healthy
 
 log = logging.getLogger("service.dev.demo")
 
