@@ -119,7 +119,7 @@ def _expert_context(ctx: RankContext, mesh, ep_size: int) -> RankContext:
     gather, reduce = (ep_subgroups(group, ep_size, expert_shard=True) for _ in range(2))
     return dataclasses.replace(
         ctx, shard_group=gather, reduce_group=reduce, shard_rank=ctx.shard_rank // ep_size,
-        shard_size=ctx.shard_size // ep_size, ep_size=ep_size,
+        shard_size=ctx.shard_size // ep_size,
         ep_group=ep_subgroups(group, ep_size, expert_shard=False))
 
 

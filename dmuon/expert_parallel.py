@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .partition import EP_ATTR
+from .partition import EP_ATTR, check_ep
 
 
 def _rows(group) -> list[tuple[int, ...]]:
@@ -52,8 +52,6 @@ def ep_subgroups(shard_group, ep_size: int, expert_shard: bool):
 
 def _local_experts(p: nn.Parameter, ep_size: int, ep: int) -> nn.Parameter:
     experts = p.shape[0]
-    if experts % ep_size:
-        raise ValueError(f"{experts} experts do not divide over ep_size={ep_size}")
     per = experts // ep_size
     local = p.detach()[ep * per:(ep + 1) * per]
     local = local if p.is_meta else local.clone()
@@ -68,18 +66,15 @@ def shard_experts(model: nn.Module, predicate, shard_mesh, ep_size: int):
     layers dispatch their tokens over. ``shard_mesh``: the 1-D shard mesh that
     ``dedicate_params`` is given; ``ep_size`` must divide it (1: nothing is cut, and the
     group is this rank alone)."""
-    group = shard_mesh.get_group()
-    if ep_size < 1 or shard_mesh.size() % ep_size:
-        raise ValueError(f"ep_size={ep_size} must divide the shard group's "
-                         f"{shard_mesh.size()} ranks")
+    experts = {name: p for name, p in model.named_parameters()
+               if p.ndim == 3 and predicate(name, p)} if ep_size != 1 else {}
+    check_ep({n: p.shape for n, p in experts.items()}, experts, shard_mesh.size(), ep_size)
     ep = shard_mesh.get_local_rank() % ep_size
-    for name, p in list(model.named_parameters()) if ep_size > 1 else ():
-        if p.ndim != 3 or not predicate(name, p):
-            continue
+    for name, p in experts.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, _local_experts(p, ep_size, ep))
-    return ep_subgroups(group, ep_size, expert_shard=False)
+    return ep_subgroups(shard_mesh.get_group(), ep_size, expert_shard=False)
 
 
 def gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:

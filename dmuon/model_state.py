@@ -45,7 +45,6 @@ class RankContext:
     # an expert-parallel boundary's context: its shard group is the expert shard group,
     # and ``ep_group`` the EP ranks its layer's experts are spread over
     ep_group: object = None
-    ep_size: int = 1
 
 
 class DMuonState:
