@@ -47,7 +47,7 @@ def _spec(optimizer: str, lr: float, steps: int, seed: int) -> dict:
 def _dmuon_run(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.job.spec import parse_spec
+    from service.job.job import Job
     from service.worker.loop import run_training
 
     torch.set_num_threads(2)
@@ -59,7 +59,7 @@ def _dmuon_run(rank, world, spec_data):
             curve.append((record["step"], clock[0], record["val_loss"]))
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    run_training(parse_spec(spec_data), mesh, report=report)
+    run_training(Job.local(spec_data), mesh, report)
     return curve
 
 

@@ -56,10 +56,11 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
 
     import dmuon
     from service.job.inputs import resolve_inputs
+    from service.job.job import Job
     from service.job.plan.inventory import synthetic_inventory
     from service.job.plan.make import plan_document
     from service.worker.capacity import CapacityWatch
-    from service.worker.loop import run_training
+    from service.worker.loop import WorkerContext, run_training
 
     spec = parse_spec({**spec_data, "checkpoint": {**spec_data["checkpoint"],
                                                    "interval": interval,
@@ -81,10 +82,10 @@ def _job(rank, world, storage, job_id, stop_after=None, resume_from=None, counts
 
     os.makedirs(job_dir, exist_ok=True)
     try:
-        model = run_training(spec, mesh, report=report, plan=plan, job_dir=job_dir,
-                             capacity=capacity,
-                             checkpoint_dir=os.path.join(job_dir, "dcp"),
-                             inputs=resolve_inputs(spec, storage, storage))
+        job = Job.local(spec, plan=plan, job_dir=job_dir,
+                        checkpoint_dir=os.path.join(job_dir, "dcp"),
+                        inputs=resolve_inputs(spec, storage, storage))
+        model = run_training(job, mesh, report, WorkerContext(capacity=capacity))
     except HostLost:
         return records, None
     params = dmuon.full_state_dict(model)  # a collective: every rank gathers

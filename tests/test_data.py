@@ -100,12 +100,12 @@ def _rss_bytes() -> int:
 def _rss_after_training(rank, world, spec_data, inputs):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.job.spec import parse_spec
+    from service.job.job import Job
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     before = _rss_bytes()
-    run_training(parse_spec(spec_data), mesh, report=lambda r, p: None, inputs=inputs)
+    run_training(Job.local(spec_data, inputs=inputs), mesh, lambda r, p: None)
     return _rss_bytes() - before
 
 

@@ -32,6 +32,7 @@ def _job(rank, world, layout):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+    from service.job.job import Job
     from service.worker.loop import build_training, run_training
 
     names = ("replicate", "shard", "tp")[:len(layout)]
@@ -39,7 +40,7 @@ def _job(rank, world, layout):
     spec = _spec(layout)
     initial = dmuon.full_state_dict(build_training(spec, mesh)[0])
     records = []
-    model = run_training(spec, mesh, report=lambda record, path: records.append(record))
+    model = run_training(Job.local(spec), mesh, lambda record, path: records.append(record))
     trained = dmuon.full_state_dict(model)
     return (initial, trained, records) if rank == 0 else (None, None, records)
 

@@ -45,11 +45,11 @@ def _loopback(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from service.job.spec import parse_spec
+    from service.job.job import Job
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = run_training(parse_spec(spec_data), mesh, report=lambda record, path: None)
+    model = run_training(Job.local(spec_data), mesh, lambda record, path: None)
     return dmuon.full_state_dict(model)
 
 

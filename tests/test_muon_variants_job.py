@@ -18,13 +18,12 @@ SPEC = {"model": "tiny", "steps": STEPS, "batch_size": 1, "seq_len": 16,
 def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.job.spec import parse_spec
+    from service.job.job import Job
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     records = []
-    spec = parse_spec(SPEC)
-    run_training(spec, mesh, report=lambda record, path: records.append(record))
+    run_training(Job.local(SPEC), mesh, lambda record, path: records.append(record))
     return records
 
 

@@ -22,7 +22,7 @@ SPEC = {"model": "tiny", "steps": 8, "batch_size": 2, "seq_len": 16, "clip_grad_
 def _job(rank, world, bad_steps, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
-    from service.job.spec import parse_spec
+    from service.job.job import Job
     from service.worker import loop
 
     calls = {"n": 0}
@@ -37,8 +37,8 @@ def _job(rank, world, bad_steps, directory):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     records = []
     try:
-        loop.run_training(parse_spec(SPEC), mesh, report=lambda r, p: records.append(r),
-                          checkpoint_dir=directory)
+        loop.run_training(Job.local(SPEC, checkpoint_dir=directory), mesh,
+                          lambda r, p: records.append(r))
         failure = None
     except RuntimeError as e:
         failure = str(e)

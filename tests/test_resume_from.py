@@ -40,6 +40,7 @@ def _job(storage, spec_data, job_id):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
+    from service.job.job import Job
     from service.worker.loop import run_training
 
     spec = parse_spec(spec_data)
@@ -47,8 +48,8 @@ def _job(storage, spec_data, job_id):
     mesh = init_device_mesh("cpu", (spec.layout.replicate, spec.layout.shard),
                             mesh_dim_names=("replicate", "shard"))
     records = []
-    model = run_training(spec, mesh, report=lambda r, p: records.append(r), inputs=inputs,
-                         checkpoint_dir=os.path.join(storage, job_id, "dcp"))
+    job = Job.local(spec, inputs=inputs, checkpoint_dir=os.path.join(storage, job_id, "dcp"))
+    model = run_training(job, mesh, lambda r, p: records.append(r))
     params = dmuon.full_state_dict(model)
     return ([(r["step"], r["resumed_from"], r["loss"]) for r in records],
             params if dist.get_rank() == 0 else None)

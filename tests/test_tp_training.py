@@ -21,14 +21,15 @@ def _train(rank, world, root):
 
     import dmuon
     from service.job.inputs import resolve_inputs
+    from service.job.job import Job
     from service.job.spec import parse_spec
     from service.worker.loop import run_training
 
     spec = parse_spec(SPEC)
     mesh = init_device_mesh("cpu", LAYOUT, mesh_dim_names=("replicate", "shard", "tp"))
     records = []
-    model = run_training(spec, mesh, report=lambda record, path: records.append(record),
-                         inputs=resolve_inputs(spec, root), export_dir=f"{root}/export")
+    job = Job.local(spec, inputs=resolve_inputs(spec, root), export_dir=f"{root}/export")
+    model = run_training(job, mesh, lambda record, path: records.append(record))
     return dmuon.full_state_dict(model), records
 
 

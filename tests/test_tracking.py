@@ -33,11 +33,12 @@ SPEC = {"model": "tiny", "steps": STEPS, "batch_size": 2, "seq_len": 16,
 def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
+    from service.job.job import Job
     from service.worker import loop
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     records = []
-    loop.run_training(parse_spec(SPEC), mesh, report=lambda r, p: records.append(r))
+    loop.run_training(Job.local(SPEC), mesh, lambda r, p: records.append(r))
     return records
 
 

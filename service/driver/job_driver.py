@@ -49,7 +49,8 @@ if not os.environ.get("RAY_ADDRESS"):
 # that cannot run is refused in a second, not after the imports
 from service.job import failure  # noqa: E402
 from service.job.inputs import resolve_inputs  # noqa: E402
-from service.job.job_dir import CHECKPOINTS, EXPORT, EXPORT_FAILURE, FAILURE, PLAN  # noqa: E402
+from service.job.job import Job  # noqa: E402
+from service.job.job_dir import EXPORT_FAILURE, FAILURE, PLAN  # noqa: E402
 from service.job.plan.document import PlanDocument  # noqa: E402
 from service.job.spec import SpecError, load_spec  # noqa: E402
 
@@ -172,11 +173,9 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
         fh.write(plan.model_dump_json())
     if plan_url and plan is not stored:  # completed here: the control plane stores it
         send(plan_url, plan.model_dump(mode="json"), token, method="put")
-    config = {"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-              "checkpoint_dir": os.path.join(job_dir, CHECKPOINTS),
-              "export_dir": os.path.join(job_dir, EXPORT), "inputs": inputs,
-              "return_params": return_params, "export_only": export_only,
-              "failure_file": failure_file, "job_dir": None if export_only else job_dir}
+    # made once, from the plan just stored, and handed to every worker as it is
+    config = {"job": Job.stored(spec, plan, inputs, job_dir, export_only),
+              "return_params": return_params, "failure_file": failure_file}
     metrics = MetricsCallback(job_id, job_dir, post_url, token)
     waits = _elastic_controls(spec.layout.elastic, plan, failure_file)
     trainer = TorchTrainer(

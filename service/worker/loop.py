@@ -6,6 +6,7 @@ clipping, the optimizer step, validation, checkpoints, and at the end the export
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 
@@ -15,6 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import dmuon
 from service.job import failure
+from service.job.job import Job
 from service.job.models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
 from service.job.models.builtin import causal_lm_loss, vocab_parallel
 from service.job.models.dtypes import DTYPES, muon_kwargs
@@ -22,7 +24,7 @@ from service.job.models.source import BUILTIN
 from service.job.models.tp_plans import apply_tp
 from service.job.plan.document import PlanDocument, partition_digest
 from service.job.plan.layout_choice import batch_split
-from service.job.spec import JobSpec, parse_spec
+from service.job.spec import JobSpec
 
 from . import checkpoints, layout_events, training_recipe
 from .batches import Batches
@@ -173,21 +175,30 @@ def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int,
             peak_flops(spec.metrics.peak_tflops, device()))
 
 
-def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None,
-                 inputs: dict | None = None, modes: dict | None = None, export_dir=None,
-                 export_only=False, node_ids=None, node_ip=None,
-                 progress: dict | None = None, plan: PlanDocument | None = None,
-                 job_dir: str | None = None, capacity: CapacityWatch | None = None):
+@dataclasses.dataclass
+class WorkerContext:
+    """Where this worker runs, beside the job: ``progress`` always holds the phase and
+    the 1-based step in progress (a failure names them); ``node_ids``/``node_ip`` go into
+    the records; ``capacity`` (an elastic job) says when Ray Train could start a larger
+    planned layout."""
+
+    progress: dict = dataclasses.field(default_factory=dict)
+    node_ids: list | None = None
+    node_ip: str | None = None
+    capacity: CapacityWatch | None = None
+
+
+def run_training(job: Job, mesh: DeviceMesh, report, context: WorkerContext | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
-    gets every step's record and, on checkpoint steps, the committed directory.
-    ``progress`` (if given) always holds the phase and the 1-based step in progress.
-    With ``job_dir``, each rank keeps its records there and rank 0 logs this start's layout
-    event there and reports it. With ``capacity`` (an elastic job), a step after which Ray
-    Train could start a larger planned layout is checkpointed, for the coming resize."""
-    inputs = inputs or BUILTIN_INPUTS
-    progress = progress if progress is not None else {}
+    gets every step's record and, on checkpoint steps, the committed directory. With
+    ``job.job_dir``, each rank keeps its records there and rank 0 logs this start's
+    layout event there and reports it. With ``context.capacity``, a step after which a
+    larger planned layout could start is checkpointed, for the coming resize."""
+    spec, inputs = job.spec, job.inputs or BUILTIN_INPUTS
+    context = context or WorkerContext()
+    progress, checkpoint_dir = context.progress, job.checkpoint_dir
     progress.update(phase="setup", step=None)
-    model, opt, split = build_training(spec, mesh, inputs, modes, plan)
+    model, opt, split = build_training(spec, mesh, inputs, None, job.plan)
     digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
     rank = dist.get_rank()
     coord, layout = _coordinates(mesh)
@@ -200,9 +211,10 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
-    event = layout_events.start_event(job_dir, layout, start) if job_dir and rank == 0 else None
-    if export_only:
-        return _export_only(model, spec, inputs["model"], mesh, export_dir,
+    event = layout_events.start_event(job.job_dir, layout, start) \
+        if job.job_dir and rank == 0 else None
+    if job.export_only:
+        return _export_only(model, spec, inputs["model"], mesh, job.export_dir,
                             (start, checkpoint_dir), progress)
     for step in range(start, spec.steps):
         progress.update(phase="step", step=step + 1)  # numbered as the records are
@@ -215,22 +227,23 @@ def run_training(spec: JobSpec, mesh: DeviceMesh, *, report, checkpoint_dir=None
                              peak=peak, lr=lrs, grad_norm=norm)
         record.update(coord=coord, layout=layout, resumed_from=start,
                       partition_digest=digest, layout_event=event,
-                      node_id=node_ids[rank] if node_ids else None, node_ip=node_ip)
+                      node_id=context.node_ids[rank] if context.node_ids else None,
+                      node_ip=context.node_ip)
         event = None
         nonfinite.after_step(opt, record, step + 1)
         grow = False
-        if capacity is not None:
-            record["capacity"], grow = capacity.poll()
+        if context.capacity is not None:
+            record["capacity"], grow = context.capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
             record["val_loss"] = validation_loss(model, spec, val, dp, batch)
-        keep_record(job_dir, record)  # before the checkpoint and the report
+        keep_record(job.job_dir, record)  # before the checkpoint and the report
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
             path = nonfinite.last_good = checkpoints.save(
                 spec, checkpoint_dir, step + 1, model, opt)
         report(record, path)
         nonfinite.check()
-    return _export_at_end(model, spec, inputs["model"], mesh, export_dir, progress)
+    return _export_at_end(model, spec, inputs["model"], mesh, job.export_dir, progress)
 
 
 def _export_at_end(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir, progress: dict):
@@ -288,10 +301,10 @@ def _worker(config: dict, progress: dict) -> None:
     import ray.train
     import ray.util
 
-    spec = parse_spec(config["spec"])
+    job: Job = config["job"]
     # an elastic job's layout is the one planned for the workers Ray Train started
     world = ray.train.get_context().get_world_size()
-    plan = PlanDocument.model_validate(config["plan"]).for_world(world)
+    plan = job.plan.for_world(world)
     torch.set_num_threads(int(config.get("threads", 1)))
     mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard, plan.layout.tp)
     rank = dist.get_rank()
@@ -302,12 +315,8 @@ def _worker(config: dict, progress: dict) -> None:
     def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
         ray.train.report(record)
 
-    model = run_training(spec, mesh, report=report, checkpoint_dir=config.get("checkpoint_dir"),
-                         inputs=config.get("inputs"), plan=plan,
-                         export_dir=config.get("export_dir"),
-                         export_only=config.get("export_only", False), node_ids=node_ids,
-                         node_ip=ray.util.get_node_ip_address(),
-                         progress=progress, job_dir=config.get("job_dir"), capacity=capacity)
+    context = WorkerContext(progress, node_ids, ray.util.get_node_ip_address(), capacity)
+    model = run_training(dataclasses.replace(job, plan=plan), mesh, report, context)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)
         if rank == 0:

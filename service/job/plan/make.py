@@ -12,7 +12,7 @@ from .document import Inventory, PlanDocument
 from .elastic import elastic_document
 from .inventory import NodeInfo, synthetic_inventory
 from .layout_choice import PlacementError, choose_layout, slots, spec_tp
-from .predict import Placement, predict
+from .predict import MetaModel, Placement, predict
 
 
 def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
@@ -42,7 +42,9 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
     """The plan as stored with a job and run by its entrypoint: layout, per-rank
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
-    ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason."""
+    ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason. The model
+    is built on the meta device once, whatever layouts the plan weighs."""
+    model_inputs = MetaModel.of(spec, model_inputs)
     if spec.layout.elastic is not None:
         return elastic_plan(spec, cluster, assumed_cpus, model_inputs)
     try:
@@ -73,6 +75,7 @@ def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: in
                   model_inputs) -> PlanDocument:
     """Every node count of the range, on nodes shaped like the cluster's smallest that
     fits a worker (else assumed ones): an elastic job runs on what the cluster holds."""
+    model_inputs = MetaModel.of(spec, model_inputs)  # one build for the range
     usable = [n for n in cluster or [] if slots(n, spec) > 0]
     if usable:
         node = min(usable, key=lambda n: slots(n, spec))

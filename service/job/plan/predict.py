@@ -144,12 +144,33 @@ def _gram_elt(spec: JobSpec, master: int) -> int:
     return master
 
 
-def _model_and_plan(spec: JobSpec, source: ModelSource | None, R: int, N: int, T: int):
-    """(model on meta, its Muon/AdamW split, the partition, its TP view) as the workers
-    will make them; a TP degree the model refuses is a SpecError naming ``layout.tp``."""
-    from ..models.build import prepare_on_meta
+class MetaModel:
+    """The job's model on the meta device, built on first use and then kept: a plan
+    partitions the one model for every layout it weighs (``tp: auto``'s degrees, an
+    elastic range's node counts), since only the partition depends on the layout."""
 
-    prepared = prepare_on_meta(spec, source or BUILTIN, DTYPES[spec.precision.master_dtype])
+    def __init__(self, spec: JobSpec, source: ModelSource | None):
+        self.spec, self.source, self._prepared = spec, source, None
+
+    @classmethod
+    def of(cls, spec: JobSpec, source) -> MetaModel:
+        """``source`` itself when it is one already, else a new one for it."""
+        return source if isinstance(source, MetaModel) else cls(spec, source)
+
+    def prepared(self):
+        if self._prepared is None:  # an ImportError leaves it unbuilt: said again
+            from ..models.build import prepare_on_meta
+
+            self._prepared = prepare_on_meta(self.spec, self.source or BUILTIN,
+                                             DTYPES[self.spec.precision.master_dtype])
+        return self._prepared
+
+
+def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
+    """(model on meta, its Muon/AdamW split, the partition, its TP view) as the workers
+    will make them; a TP degree the model refuses is a SpecError naming ``layout.tp``.
+    ``source``: the model's source, or the plan's ``MetaModel`` built once."""
+    prepared = MetaModel.of(spec, source).prepared()
     model, split = prepared.model, prepared.split
     embed = _embedding(model)
     try:
@@ -168,12 +189,14 @@ def _embedding(model):
 
 
 def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
-            inter_link="infiniband", bandwidth=None, model_inputs: ModelSource | None = None,
+            inter_link="infiniband", bandwidth=None,
+            model_inputs: ModelSource | MetaModel | None = None,
             layout: tuple[int, int, int, int] | None = None) -> Placement:
     """Choose the layout (``tp: auto``: the smallest T that runs) and the mode, and
     predict what every rank holds and moves per step (DMuon's share from ``dmuon.planning``
     on each TP rank's shards, FSDP2's from the padded shards, TP's from the plan's
     styles)."""
+    model_inputs = MetaModel.of(spec, model_inputs)  # one build for every T tried
     if layout is None and spec_tp(spec) is None:
         return _choosing_tp(spec, nodes, intra_link=intra_link, inter_link=inter_link,
                             bandwidth=bandwidth, model_inputs=model_inputs)
