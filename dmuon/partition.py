@@ -427,10 +427,18 @@ def partition(
     replicate_size: int = 1,
     hook_boundary_predicate=None,
     hook_boundary_strict: bool = True,
+    experts=None,
+    ep_size: int = 1,
 ) -> DedicationPlan:
-    """The plan ``dedicate_params`` would make, without a process group (meta models)."""
+    """The plan ``dedicate_params`` would make, without a process group (meta models).
+    ``experts``/``ep_size``: what ``shard_experts`` would be given, for a model it has
+    not cut (a planner's whole model); a model it has cut carries its own marks."""
     entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
-    ep_params, ep_size = model_ep(model, predicate)
+    if experts is None or ep_size == 1:
+        ep_params, ep_size = model_ep(model, predicate)
+    else:
+        ep_params = frozenset(n for n, p in model.named_parameters()
+                              if p.ndim == 3 and predicate(n, p) and experts(n, p))
     return plan_from_shapes(entries, shard_size, replicate_size, ep_params=ep_params,
                             ep_size=ep_size)
 

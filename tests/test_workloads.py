@@ -78,15 +78,20 @@ def _cli(svc, *args, cwd=None, timeout=300):
 JOBS: dict[str, str] = {}
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3_moe"])
+# the Llama job runs tensor parallel: R x N x T = 1 x 2 x 2, chosen by the planner; the
+# MoE job as HSDP 2 x 2, its experts whole (EP 1) or split over EP 2 (2 of 4 each)
+LAYOUTS = {"llama": {"tp": 2}, "qwen3_moe": RECIPE["layout"],
+           "qwen3_moe_ep": {**RECIPE["layout"], "ep": 2}}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3_moe", "qwen3_moe_ep"])
 def test_hf_models_through_rest_match_the_reference(svc, name):
     config = LLAMA if name == "llama" else QWEN3_MOE
     model = ({"hf": "models/llama"} if name == "llama" else
              {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE})
     # per-block activation checkpointing changes no arithmetic: the MoE job runs with it
     checkpointing = "none" if name == "llama" else "non_reentrant"
-    # the Llama job runs tensor parallel: R x N x T = 1 x 2 x 2, chosen by the planner
-    layout = {"tp": 2} if name == "llama" else RECIPE["layout"]
+    layout = LAYOUTS[name]
     status, job = svc.request("POST", "/v1/jobs", {"spec": {
         **RECIPE, "name": name, "model": model, "activation_checkpointing": checkpointing,
         "checkpoint": {"interval": 4, "keep_last": 1}, "layout": layout}})
@@ -117,6 +122,10 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
     stored = part["layout"]
     planned = (1, 2, 2) if name == "llama" else (2, 2, 1)  # R x N x T
     assert (stored["replicate"], stored["shard"], stored["tp"]) == planned
+    assert stored["ep"] == part["ep_size"] == layout.get("ep", 1)
+    if layout.get("ep", 1) > 1:  # every rank sent tokens to its EP peer, at every step
+        assert all(r["bytes"]["ep.forward"] > 0 and r["bytes"]["ep.backward"] > 0
+                   for r in records)
     # the workers ran the stored layout: R x N x T under TP, else R x N
     assert {tuple(r["layout"]) for r in records} == {planned if planned[2] > 1 else planned[:2]}
     assert len({tuple(r["coord"]) for r in records}) == WORLD
@@ -163,7 +172,9 @@ def _digest(part: dict) -> str:
     import hashlib
 
     units = {u: [a["owner"], list(a["shape"]), a["boundary"]] for u, a in part["params"].items()}
-    text = json.dumps([part["replicate_size"], part["shard_size"], units], separators=(",", ":"))
+    ep = [part["ep_size"]] if part.get("ep_size", 1) > 1 else []  # EP 1 as before EP
+    text = json.dumps([part["replicate_size"], part["shard_size"], units, *ep],
+                      separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -325,6 +336,11 @@ def _bad_specs(data: str) -> list[tuple[dict, str]]:
         ({"model": {"hf": "models/llama", "weights": "models"}}, "spec.model.weights"),
         ({"model": {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE},
           "optimizer": {"qk_clip": {"tau": 100}}}, "spec.optimizer.qk_clip"),  # q/k norms
+        ({"model": {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE},
+          "layout": {"shard": 4, "ep": 8}}, "spec.layout.ep"),  # 4 experts; N = 4
+        ({"model": {"hf_arch": "Qwen3MoeForCausalLM", "config": QWEN3_MOE},
+          "layout": {"replicate": 2, "shard": 2, "ep": 4}}, "spec.layout.ep"),  # N = 2
+        ({**base, "layout": {"ep": 2}}, "spec.layout.ep"),  # a dense model
         ({**base, "model": "tiny", "dmuon": {"muon_params": r"lm_head\.weight"}},
          "spec.dmuon.muon_params"),
         ({**base, "batch_size": 2, "global_batch_tokens": 300}, "spec.global_batch_tokens"),

@@ -16,9 +16,13 @@ def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) 
     from dmuon.planning import DedicationPlan, check_plan, model_entries
     from service.job.models.build import prepare_on_meta
     from service.job.models.dtypes import DTYPES
+    from service.job.models.experts import is_expert
 
     prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
     model, split = prepared.model, prepared.split
     entries = model_entries(model, split.predicate, split.boundary_predicate(model))
+    ep_size = plan.partition.get("ep_size", 1)
+    experts = [n for n, p in model.named_parameters()
+               if ep_size > 1 and split.predicate(n) and p.ndim == 3 and is_expert(n, p)]
     check_plan(DedicationPlan.from_dict(plan.partition), entries, plan.layout.shard,
-               plan.layout.replicate)
+               plan.layout.replicate, ep_params=experts, ep_size=ep_size)

@@ -20,9 +20,11 @@ from service.job.job import Job
 from service.job.models.build import compile_blocks, init_rule, logits_of, prepare_on_meta
 from service.job.models.builtin import causal_lm_loss, vocab_parallel
 from service.job.models.dtypes import DTYPES, muon_kwargs
+from service.job.models.experts import is_expert, use_expert_parallel
 from service.job.models.source import BUILTIN
 from service.job.models.tp_plans import apply_tp
 from service.job.plan.document import PlanDocument, partition_digest
+from service.job.plan.ep_costs import moe_shape, resolve_ep
 from service.job.plan.layout_choice import batch_split
 from service.job.spec import JobSpec
 
@@ -67,6 +69,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
                              "tensor-parallel shards is not supported yet")
         apply_tp(model, mesh["tp"])  # TP first, as torchtitan orders it
     compile_blocks(spec, model, prepared.blocks)
+    ep_group = _split_experts(spec, inputs["model"], model, split, mesh, plan)
     hsdp = mesh["replicate"].size() > 1
     dp_mesh = mesh["replicate", "shard"] if tp > 1 else mesh
     policy = training_recipe.mp_policy(spec)
@@ -84,9 +87,26 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(inputs["model"], model))
     if inputs["model"].weights:
         load_weights(model, inputs["model"].weights)
+    if ep_group is not None:
+        use_expert_parallel(model, ep_group, dmuon.get_ledger(model))
     model.train()
     opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
     return model, opt, split
+
+
+def _split_experts(spec: JobSpec, source, model, split, mesh: DeviceMesh,
+                   plan: PlanDocument | None):
+    """This rank's EP group after cutting each MoE layer to its E/P experts (the plan's
+    EP degree; without a plan the spec's, resolved as the planner does), or None at EP 1."""
+    ep = plan.partition.get("ep_size", 1) if plan is not None else \
+        resolve_ep(spec, mesh["shard"].size(), moe_shape(model, split.predicate))
+    if ep == 1:
+        return None
+    if source.weights:
+        raise ValueError("model.weights with layout.ep > 1: loading weights into "
+                         "expert-parallel shards is not supported yet")
+    return dmuon.shard_experts(model, lambda n, p: split.predicate(n) and is_expert(n, p),
+                               mesh["shard"], ep)
 
 
 @torch.no_grad()

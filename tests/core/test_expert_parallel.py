@@ -371,3 +371,16 @@ def test_the_planners_predictions_are_what_each_rank_measured(layout_id):
         memory = planning.memory_prediction(plan, rank, z3=z3, param_bytes=8,
                                             master_bytes=8)
         assert {k: res["memory"][k] for k in memory} == memory, (layout_id, rank)
+
+
+def test_a_planner_partitions_the_whole_meta_model_as_the_ranks_did():
+    """``dmuon.partition(experts=..., ep_size=2)`` on a model no rank has cut (a
+    planner's) gives the plan every rank of EP 2 x expert shard 2 made after
+    ``shard_experts``; without ``experts`` the same call plans EP 1."""
+    with torch.device("meta"):
+        model = net().double()
+    kwargs = {"predicate": is_muon, "shard_size": 4, "hook_boundary_predicate": is_boundary}
+    plan = dmuon.partition(model, experts=lambda n, p: ".experts." in n, ep_size=2, **kwargs)
+    for res in trained("ep2x2"):
+        assert plan.to_dict() == res["plan"]
+    assert dmuon.partition(model, **kwargs).ep_size == 1

@@ -113,6 +113,8 @@ def plan_summary(plan: dict) -> list[str]:
     world = lay["replicate"] * lay["shard"] * tp
     mesh, dims = (f"{lay['replicate']} x {lay['shard']}", "replicate x shard") if tp == 1 \
         else (f"{lay['replicate']} x {lay['shard']} x {tp}", "replicate x shard x tp")
+    if lay.get("ep", 1) > 1:  # experts split over EP groups of consecutive shard ranks
+        mesh, dims = f"{mesh}, ep {lay['ep']}", f"{dims}; experts over ep"
     lines = [f"layout {mesh} ({dims}) on {_plural(lay['nodes'], 'node')}: {world} {kind} "
              "workers"]
     if inv.get("source") == "assumed":
@@ -139,14 +141,17 @@ def plan_summary(plan: dict) -> list[str]:
     return lines
 
 
-def memory_table(ranks: list[dict]) -> list[str]:
+def memory_table(ranks: list[dict], ep: int = 1) -> list[str]:
     """Per rank: owned Muon elements, Newton-Schulz FLOPs per step, the bytes held after
-    a step by kind, and the packed buffers' peak during one."""
+    a step by kind, and the packed buffers' peak during one; under EP its coordinate
+    (shard index mod P)."""
     kinds = list(ranks[0]["memory"])
     headers = ["rank", "(r,s,t)" if len(ranks[0]["coord"]) == 3 else "(r,s)",
+               *(["ep"] if ep > 1 else []),
                "Muon elements", "NS FLOP/step", *(k.replace("_", " ") for k in kinds),
                "packed peak"]
     rows = [[str(r["rank"]), "(" + ",".join(map(str, r["coord"])) + ")",
+             *([str(r["coord"][1] % ep)] if ep > 1 else []),
              f"{r['owned_elements']:,}",
              si(r["ns_flops"], "FLOP"), *(si(r["memory"][k], "B") for k in kinds),
              si(r["packed_peak"], "B")] for r in ranks]
@@ -177,7 +182,7 @@ def plan_text(plan: dict) -> str:
     ranks = plan.get("ranks") or []
     if ranks:
         lines += ["", "held per rank after a step (packed peak: during one)",
-                  *memory_table(ranks), "",
+                  *memory_table(ranks, plan["layout"].get("ep", 1)), "",
                   "bytes per step per rank, by mesh dim and phase",
                   *traffic_table(ranks)]
     return "\n".join(lines)

@@ -160,15 +160,20 @@ function layoutFacts(job) {
 }
 
 // R x N (replicate x shard), or R x N x T (replicate x shard x tp) under tensor
-// parallelism; a plan stored before it has no tp
+// parallelism, and the EP degree where experts are split; a plan stored before them has
+// no tp or ep
 function meshText(layout, named = true) {
   const tp = layout.tp || 1;
-  const dims = [layout.replicate, layout.shard, ...(tp > 1 ? [tp] : [])].join(" x ");
+  const ep = layout.ep || 1;
+  const dims = [layout.replicate, layout.shard, ...(tp > 1 ? [tp] : [])].join(" x ")
+    + (ep > 1 ? `, ep ${ep}` : "");
   return named ? `${dims} (replicate x shard${tp > 1 ? " x tp" : ""})` : dims;
 }
 
-// each rank's label: its number and (r,s) or (r,s,t) coordinate
-const rankCoords = (ranks) => ranks.map((r) => `rank ${r.rank} (${r.coord.join(",")})`);
+// each rank's label: its number and (r,s) or (r,s,t) coordinate, and its EP coordinate
+// (s mod P: the EP group is P consecutive shard ranks) where experts are split
+const rankCoords = (ranks, ep = 1) => ranks.map((r) => `rank ${r.rank} (${r.coord.join(",")})`
+  + (ep > 1 ? ` ep ${r.coord[1] % ep}` : ""));
 
 function skippedSteps(job) {
   // each record carries its rank's count so far: every rank skips the same steps
@@ -198,7 +203,7 @@ function drawOwnership(partition) {
   const owned = ownedBy(partition);
   const ranks = partition.ranks;
   Plotly.react("ownership-chart", [{
-    type: "bar", name: "elements", x: rankCoords(ranks),
+    type: "bar", name: "elements", x: rankCoords(ranks, partition.ep_size || 1),
     y: ranks.map((r) => r.owned_elements), marker: { color: "#2c6fb7" },
     customdata: ranks.map((r, i) => [(r.ns_flops / 1e9).toFixed(3), owned[i].length]),
     hovertemplate: "%{x}: %{y:,} elements<br>NS %{customdata[0]} GFLOP" +

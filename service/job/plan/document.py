@@ -31,6 +31,7 @@ class Layout(_Doc):
     shard: int
     nodes: int
     tp: int = 1
+    ep: int = 1  # the EP group: ep consecutive shard ranks (no mesh dim of its own)
 
     @property
     def world_size(self) -> int:
@@ -47,8 +48,10 @@ class Layout(_Doc):
         return (self.replicate, self.shard) + ((self.tp,) if self.tp > 1 else ())
 
     def shown(self) -> str:
-        """``2 x 4`` or ``2 x 2 x 2``: the mesh as the CLI and the dashboard print it."""
-        return " x ".join(map(str, self.mesh_shape))
+        """``2 x 4``, ``2 x 2 x 2``, ``1 x 4, ep 2``: the mesh as the CLI and the
+        dashboard print it, with the EP degree where experts are split."""
+        mesh = " x ".join(map(str, self.mesh_shape))
+        return f"{mesh}, ep {self.ep}" if self.ep > 1 else mesh
 
 
 class Inventory(_Doc):
@@ -169,6 +172,7 @@ def partition_digest(partition: dict) -> str:
     mesh: the workers report the one they run, which equals the stored plan's."""
     units = {u: [a["owner"], list(a["shape"]), a["boundary"]]
              for u, a in partition["params"].items()}
-    text = json.dumps([partition["replicate_size"], partition["shard_size"], units],
+    ep = [partition["ep_size"]] if partition.get("ep_size", 1) > 1 else []
+    text = json.dumps([partition["replicate_size"], partition["shard_size"], units, *ep],
                       separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]

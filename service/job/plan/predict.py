@@ -20,9 +20,11 @@ import dmuon
 from dmuon import planning
 
 from ..models.dtypes import DTYPES
+from ..models.experts import is_expert
 from ..models.source import BUILTIN, ModelSource
 from ..spec import JobSpec, SpecError
 from .document import Layout, RankPrediction
+from .ep_costs import MoEShape, ep_ledger, moe_shape, resolve_ep
 from .inventory import NodeInfo
 from .layout_choice import (
     PlacementError,
@@ -54,13 +56,17 @@ class Placement:
     local: dmuon.DedicationPlan | None = None  # the partition as one TP rank holds it
 
     @property
+    def ep(self) -> int:
+        return self.plan.ep_size
+
+    @property
     def world_size(self) -> int:
         return self.replicate * self.shard * self.tp
 
     @property
     def layout(self) -> Layout:
         return Layout(replicate=self.replicate, shard=self.shard, nodes=self.nodes,
-                      tp=self.tp)
+                      tp=self.tp, ep=self.ep)
 
     def scaling_config_kwargs(self) -> dict:
         req = self.spec.resources_per_worker
@@ -69,24 +75,29 @@ class Placement:
                 "resources_per_worker": resources, "placement_strategy": "PACK"}
 
     def table(self) -> str:
-        T = self.tp
+        T, P = self.tp, self.ep
         dims = "replicate x shard" + (" x tp" if T > 1 else "")
         coord = "(r,s,t)" if T > 1 else "(r,s)"
         lines = [f"layout {self.layout.shown()} ({dims}) on {self.nodes} "
                  f"nodes; imbalance {self.plan.imbalance:.4f}",
-                 f"{'rank':>5} {coord:>9} {'owned elts':>14} {'NS TFLOP':>9} "
+                 f"{'rank':>5} {coord:>9}" + (f" {'ep':>3}" if P > 1 else "")
+                 + f" {'owned elts':>14} {'NS TFLOP':>9} "
                  f"{'owned+mom GB':>12} {'Z2 packed GB':>12} {'Z3 peak GB':>10} "
                  f"{'shard GB/step':>13} {'repl GB/step':>12}"
-                 + (f" {'tp GB/step':>10}" if T > 1 else "") + f" {'comm s':>8}"]
+                 + (f" {'tp GB/step':>10}" if T > 1 else "")
+                 + (f" {'ep GB/step':>10}" if P > 1 else "") + f" {'comm s':>8}"]
         for r in self.ranks:
-            moved = {d: sum(r.ledger.get(d, {}).values()) for d in ("shard", "replicate", "tp")}
+            moved = {d: sum(r.ledger.get(d, {}).values())
+                     for d in ("shard", "replicate", "tp", "ep")}
             where = "(" + ",".join(map(str, r.coord)) + ")"
             lines.append(
-                f"{r.rank:>5} {where:>9} {r.owned_elements:>14,} {r.ns_flops / 1e12:>9.2f}"
+                f"{r.rank:>5} {where:>9}" + (f" {r.coord[1] % P:>3}" if P > 1 else "")
+                + f" {r.owned_elements:>14,} {r.ns_flops / 1e12:>9.2f}"
                 f" {(r.memory['owned_params'] + r.memory['momentum']) / 1e9:>12.2f}"
                 f" {self.z2_packed_bytes / 1e9:>12.2f} {r.packed_peak / 1e9:>10.2f}"
                 f" {moved['shard'] / 1e9:>13.2f} {moved['replicate'] / 1e9:>12.2f}"
                 + (f" {moved['tp'] / 1e9:>10.2f}" if T > 1 else "")
+                + (f" {moved['ep'] / 1e9:>10.2f}" if P > 1 else "")
                 + f" {r.comm_seconds:>8.4f}")
         return "\n".join(lines)
 
@@ -178,10 +189,12 @@ def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
                        embed.num_embeddings if embed else 0)
     except ValueError as e:
         raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
+    moe = moe_shape(model, split.predicate)
     plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
-                           hook_boundary_predicate=split.boundary_predicate(model))
+                           hook_boundary_predicate=split.boundary_predicate(model),
+                           experts=is_expert, ep_size=resolve_ep(spec, N, moe))
     annotate(plan, view.splits, T)
-    return model, split, plan, view
+    return model, split, plan, view, moe
 
 
 def _embedding(model):
@@ -205,16 +218,18 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
         batch = batch_split(spec, R * N)
     except ValueError as e:
         raise SpecError(str(e)) from None
-    model, split, plan, view = _model_and_plan(spec, model_inputs, R, N, T)
+    model, split, plan, view, moe = _model_and_plan(spec, model_inputs, R, N, T)
     local = local_plan(plan, view.splits, T)
     others = view.local_shapes(model, [n for n, _ in model.named_parameters()
                                        if not split.predicate(n)])
     modes = choose_mode(spec, model, split, local, others, nodes, N, view)
     spans_nodes = N * T > R * N * T // n_nodes  # a shard group over several nodes
+    ep_in_node = (R * N * T // n_nodes) % (plan.ep_size * T) == 0
     links = {"shard": inter_link if spans_nodes else intra_link if N > 1 else "loopback",
-             "replicate": inter_link, "tp": intra_link}
+             "replicate": inter_link, "tp": intra_link,
+             "ep": intra_link if ep_in_node else inter_link}
     bw = {dim: {**BANDWIDTH, **(bandwidth or {})}[link] for dim, link in links.items()}
-    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), batch, bw)
+    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), batch, bw, moe)
     return Placement(spec, n_nodes, R, N, plan, ranks, split.to_dict(), modes, tp=T,
                      local=local)
 
@@ -238,7 +253,8 @@ def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
 
 
 def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
-           dp: tuple[int, int], batch: tuple[int, int], bw: dict) -> list[RankPrediction]:
+           dp: tuple[int, int], batch: tuple[int, int], bw: dict,
+           moe: MoEShape = MoEShape()) -> list[RankPrediction]:
     """Every rank's prediction, rank ``(r * N + s) * T + t`` at (r, s[, t])."""
     (R, N), T = dp, view.T
     elt, master, reduce = _bytes_of(spec)
@@ -254,6 +270,10 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
                                         reduce_bytes=reduce)
         if T > 1:
             ledger["tp"] = _tp_ledger(spec, plan, view, slot, batch, master)
+        if plan.ep_size > 1:  # under TP every rank of a group sends the group's tokens
+            ledger["ep"] = ep_ledger(moe, plan.ep_size, tokens=batch[1] * spec.seq_len,
+                                     micros=batch[0], elt=elt,
+                                     checkpointing=spec.activation_checkpointing != "none")
         for dim, extra in clip.items():
             ledger[dim]["step"] = Fraction(ledger[dim].get("step", 0)) + extra
         ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}

@@ -93,7 +93,8 @@ def local_plan(plan: DedicationPlan, splits: dict[str, int], T: int) -> Dedicati
     that rank's bytes."""
     if T == 1:
         return plan
-    local = DedicationPlan(plan.shard_size, plan.replicate_size, tp_size=T)
+    local = DedicationPlan(plan.shard_size, plan.replicate_size, tp_size=T,
+                           ep_size=plan.ep_size)
     for unit, a in plan.params.items():
         dim = splits.get(a.param) if len(a.shape) == 2 else None
         shape = local_shape(a.shape, dim, T)

@@ -58,6 +58,13 @@ class LayoutSpec(_Strict):
                       "model's heads, KV heads and FFN width. auto: the planner takes the "
                       "smallest such T with which a rank fits its memory and the global "
                       "batch splits")
+    ep: Count = Field(1, description="P, the expert-parallel degree: each MoE layer's "
+                      "experts are split over P consecutive shard ranks (the EP group, "
+                      "inside one node where the shard group is), each holding E/P of "
+                      "them, tokens sent to their experts all-to-all; the ranks of one EP "
+                      "coordinate own its experts DMuon's way. P must divide the shard "
+                      "size N and every MoE layer's experts. auto: the largest such P, "
+                      "1 for a dense model")
     elastic: ElasticSpec | None = Field(None, description="a node range (see ElasticSpec)")
 
     @model_validator(mode="after")
