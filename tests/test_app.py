@@ -356,7 +356,7 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
     assert f"{job_id}: SUCCEEDED" in submitted.stdout
     assert "SUCCEEDED" in cli("status", job_id).stdout
     assert json.loads(cli("plan", str(spec), "--json").stdout)["layout"] == {
-        "replicate": 2, "shard": 2, "nodes": 1, "tp": 1}
+        "replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1}
     pending = cli("submit", str(spec)).stdout.split()[0]
     assert cli("cancel", pending).stdout.strip() == "STOPPED"
     spec.write_text("model: tiny\nsteps: 0\n")

@@ -399,6 +399,22 @@ def test_plan_prints_the_planners_per_rank_predictions(svc, tmp_path):
     assert len(lines) == 5 + 2 + 5 + 2 + 5  # nothing else
 
 
+def test_plan_shows_the_ep_degree_and_each_ranks_ep_coordinate(svc, tmp_path):
+    """Experts over EP 2 on 1 x 4: the EP group is 2 consecutive shard ranks, so the
+    ranks' EP coordinates are 0, 1, 0, 1."""
+    spec = {"model": "small-moe", "steps": 2, "layout": {"replicate": 1, "shard": 4, "ep": 2}}
+    proc = _cli(svc, "plan", _spec_file(tmp_path, "job.json", spec))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0] == ("layout 1 x 4, ep 2 (replicate x shard; experts over ep) on 1 node: "
+                        "4 CPU workers")
+    memory = _table(lines, "held per rank after a step (packed peak: during one)", 4)
+    assert memory[0][:3] == ["rank", "(r,s)", "ep"]
+    assert [row[2] for row in memory[1:]] == ["0", "1", "0", "1"]
+    traffic = _table(lines, "bytes per step per rank, by mesh dim and phase", 4)
+    assert {"ep forward", "ep backward"} <= set(traffic[0])
+
+
 def test_plan_json_is_the_plan_document(svc, tmp_path):
     spec = tmp_path / "job.yaml"
     spec.write_text(json.dumps(PLANNED))  # JSON is YAML
@@ -406,7 +422,7 @@ def test_plan_json_is_the_plan_document(svc, tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     placement = _cpu_plan(PLANNED, 4)
-    assert doc["layout"] == {"replicate": 2, "shard": 2, "nodes": 1, "tp": 1}
+    assert doc["layout"] == {"replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1}
     assert doc["ranks"] == json.loads(json.dumps([r.__dict__ for r in placement.ranks]))
     assert doc["modes"] == placement.modes.to_dict()
 

@@ -316,6 +316,30 @@ def test_normuon_and_qk_clip_through_rest_record_the_max_logits(svc):
         assert max_logit > tau and 0 < clipped <= heads, (step, max_logit, clipped)
 
 
+def test_the_builtin_moe_with_ep2_runs_the_stored_plan_and_moves_its_ep_bytes(svc):
+    """``model: small-moe`` as EP 2 x expert shard 2 through REST: SUCCEEDED on the stored
+    partition, and at every step the ``ep`` bytes the ranks counted, summed over them,
+    are the planner's (what one rank receives depends on the routing; what all receive
+    is what all sent). The numbers: tests/test_ep_plan.py, core/test_expert_parallel.py."""
+    steps = 3
+    status, job = svc.request("POST", "/v1/jobs", {"spec": {
+        **RECIPE, "name": "moe-ep", "model": "small-moe", "steps": steps,
+        "layout": {"replicate": 1, "shard": WORLD, "ep": 2}}})
+    assert status == 201, job
+    done = svc.wait_ended(job["id"])
+    assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
+    part = _ran_the_stored_partition(svc, job["id"])
+    assert part["layout"]["ep"] == part["ep_size"] == 2
+    records = svc.request("GET", f"/v1/jobs/{job['id']}/metrics")[1]
+    for step in range(1, steps + 1):
+        mine = [r for r in records if r["step"] == step]
+        assert len(mine) == WORLD, step
+        for phase in ("forward", "backward"):
+            got = sum(r["bytes"][f"ep.{phase}"] for r in mine)
+            want = sum(rank["ledger"]["ep"][phase] for rank in part["ranks"])
+            assert got == pytest.approx(want, rel=1e-12), (step, phase)
+
+
 def _bad_specs(data: str) -> list[tuple[dict, str]]:
     os.makedirs(os.path.join(data, "bad"), exist_ok=True)
     write_shard(os.path.join(data, "bad", "empty.bin"), np.zeros(0, np.uint16))

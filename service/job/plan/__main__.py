@@ -1,5 +1,6 @@
-"""``python -m service.job.plan --model llama3-70b --nodes 8 --gpus-per-node 8 [--tp 8]``: the
-layout, the per-rank predictions and the mode for a model on synthetic GPU nodes."""
+"""``python -m service.job.plan --model llama3-70b --nodes 8 --gpus-per-node 8 [--tp 8]
+[--ep 8]``: the layout, the per-rank predictions and the mode for a model on synthetic
+GPU nodes."""
 
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
     ap.add_argument("--tp", default="1", type=lambda v: v if v == "auto" else int(v),
                     help="tensor-parallel degree T (layout.tp), or auto")
+    ap.add_argument("--ep", default="1", type=lambda v: v if v == "auto" else int(v),
+                    help="expert-parallel degree P (layout.ep), or auto")
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
     return ap
 
@@ -48,7 +51,7 @@ def main(argv=None) -> None:
                            "non_reentrant" if args.activation_checkpointing else "none",
                        "dmuon": {**({"mode": args.mode} if args.mode else {}),
                                  "device_memory_gb": args.device_memory_gb},
-                       "layout": {"tp": args.tp},
+                       "layout": {"tp": args.tp, "ep": args.ep},
                        "resources_per_worker": {"CPU": 1, "GPU": 1}})
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
                         bandwidth={"nvlink": args.nvlink_gbps * 1e9,
