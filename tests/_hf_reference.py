@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
-from _train import fp64_newton_schulz
+from _train import fp64_newton_schulz, per_expert_leaves, step_per_expert
 
 import dmuon
 from service.worker.batches import Batches
@@ -61,14 +61,7 @@ def reference_run(config: dict, recipe: dict = RECIPE, world: int = 4) -> dict:
 
     model = hf_model(config, recipe["seed"])
     o, s = recipe["optimizer"], recipe["schedule"]
-    matrices, slices, others = [], [], []
-    for name, p in model.named_parameters():
-        if not is_muon(name, p):
-            others.append(p)
-        elif p.ndim == 2:
-            matrices.append(p)
-        else:  # one 2-D leaf per expert, stepped by torch.optim.Muon, copied back
-            slices += [(p, e, torch.nn.Parameter(p.detach()[e].clone())) for e in range(len(p))]
+    matrices, slices, others = per_expert_leaves(model, is_muon)
     muon = torch.optim.Muon(matrices + [leaf for _, _, leaf in slices], lr=o["lr"],
                             weight_decay=o["weight_decay"])
     adamw = torch.optim.AdamW(others, lr=o["adamw_lr"], betas=(0.9, 0.95), eps=1e-8,
@@ -89,13 +82,7 @@ def reference_run(config: dict, recipe: dict = RECIPE, world: int = 4) -> dict:
             for group, base in bases:
                 group["lr"] = base * lr_factor(step, recipe["steps"], s["warmup_steps"],
                                                s["min_lr_ratio"])
-            for p, e, leaf in slices:
-                leaf.grad = p.grad[e].clone()
-            muon.step()
-            adamw.step()
-            with torch.no_grad():
-                for p, e, leaf in slices:
-                    p[e].copy_(leaf)
+            step_per_expert((muon, adamw), slices)
             model.zero_grad()
     finally:
         tmuon._zeropower_via_newtonschulz = saved

@@ -71,6 +71,33 @@ def reference_optimizers(muon, others, adjust_lr_fn=None) -> list:
                               eps=h["adamw_eps"], weight_decay=h["adamw_weight_decay"])]
 
 
+def per_expert_leaves(model, is_muon) -> tuple[list, list, list]:
+    """``(matrices, slices, others)``: the 2-D Muon params, each 3-D Muon param as one 2-D
+    leaf per expert ``(param, e, leaf)`` (torch.optim.Muon takes matrices only), and the
+    AdamW params."""
+    matrices, slices, others = [], [], []
+    for name, p in model.named_parameters():
+        if not is_muon(name, p):
+            others.append(p)
+        elif p.ndim == 2:
+            matrices.append(p)
+        else:
+            slices += [(p, e, torch.nn.Parameter(p.detach()[e].clone())) for e in range(len(p))]
+    return matrices, slices, others
+
+
+def step_per_expert(opts, slices) -> None:
+    """Step ``opts``, each expert's slice through its leaf: its gradient in, its value
+    copied back."""
+    for p, e, leaf in slices:
+        leaf.grad = p.grad[e].clone()
+    for o in opts:
+        o.step()
+    with torch.no_grad():
+        for p, e, leaf in slices:
+            p[e].copy_(leaf)
+
+
 def reference_train(model, opts, batches, loss=None) -> tuple[dict, list[float]]:
     """Train ``model`` in one process with ``opts`` (each under the tests' LR schedule),
     Newton-Schulz in float64; returns its final state dict and the losses.

@@ -96,13 +96,59 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+class Experts(nn.Module):
+    """The MoE layer's experts as 3-D weights, one ``(out, in)`` matrix per expert (one
+    checkpoint key per whole tensor); called as Hugging Face calls its experts, so that
+    ``service.job.models.experts`` dispatches both the same way."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.num_experts = c.experts
+        f = c.expert_ffn_dim
+        self.gate_proj = nn.Parameter(torch.empty(c.experts, f, c.dim))
+        self.up_proj = nn.Parameter(torch.empty(c.experts, f, c.dim))
+        self.down_proj = nn.Parameter(torch.empty(c.experts, c.dim, f))
+
+    def expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
+        """Local expert ``j`` (an index into this rank's experts) on its rows ``x``."""
+        h = F.silu(F.linear(x, self.gate_proj[j])) * F.linear(x, self.up_proj[j])
+        return F.linear(h, self.down_proj[j])
+
+    def forward(self, x: torch.Tensor, choices: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+        """``[n, dim]``: each token's ``top_k`` experts' outputs weighted by ``weights``."""
+        out = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            rows, slot = (choices == e).nonzero(as_tuple=True)
+            out = out.index_add(0, rows, self.expert(e, x[rows]) * weights[rows, slot, None])
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture of experts in place of the MLP: a softmax router (``gate``, AdamW by the
+    param rule) picks each token's ``top_k`` experts, their weights renormalised over
+    the k."""
+
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = c.top_k
+        self.gate = nn.Linear(c.dim, c.experts, bias=False)
+        self.experts = Experts(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, x.shape[-1])
+        weights, choices = self.gate(h).softmax(-1).topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        return self.experts(h, choices, weights).view_as(x)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.dim, c.norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.dim, c.norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MoE(c) if c.experts else MLP(c)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
@@ -175,9 +221,12 @@ def vocab_parallel(tp: int):
 
 def init_builtin(module: nn.Module) -> None:
     """The built-in models' initialisation of one module's own params: normal(0, 0.02)
-    for matrices and embeddings, ones for norms."""
+    for matrices, experts and embeddings, ones for norms."""
     if isinstance(module, (nn.Linear, nn.Embedding)):
         nn.init.normal_(module.weight, 0.0, 0.02)
+    elif isinstance(module, Experts):
+        for p in (module.gate_proj, module.up_proj, module.down_proj):
+            nn.init.normal_(p, 0.0, 0.02)
     elif isinstance(module, RMSNorm):
         module.reset_parameters()
 

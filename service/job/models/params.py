@@ -6,7 +6,10 @@ MoE routers (a block's module named ``gate``/``router``, or whose class says Rou
 Gate; ``gate_proj`` is a projection and stays with Muon). The repeated blocks are the
 largest ``nn.ModuleList`` whose children share one class (``model.layers`` in Llama
 and Qwen, ``transformer.h`` in GPT-2); each block is one hook boundary and one FSDP2
-unit. The spec's FQN regexes (``dmuon.muon_params``, ``dmuon.adamw_params``,
+unit. A module inside a block that holds 3-D Muon weights itself (an MoE's experts) is
+a hook boundary of its own, nested in its block: under expert parallelism its params
+are laid out apart from the block's dense ones, and DMuon gathers a boundary as one.
+The spec's FQN regexes (``dmuon.muon_params``, ``dmuon.adamw_params``,
 ``dmuon.hook_boundaries``) override the rule; the plan lists the outcome.
 """
 
@@ -90,6 +93,15 @@ def _derived(model: nn.Module, name: str, param, blocks: list[str]) -> str | Non
     return None
 
 
+def _with_expert_boundaries(model: nn.Module, blocks: list[str], muon: list[str]) -> list[str]:
+    """The blocks and, nested in them, every other module holding a 3-D Muon param
+    directly, in module order."""
+    params, whole = dict(model.named_parameters()), set(blocks)
+    holders = {name.rpartition(".")[0] for name in muon if params[name].ndim == 3}
+    return [n for n, _ in model.named_modules() if n in whole or
+            (n in holders and _owning_block(n + ".", blocks) is not None)]
+
+
 def split_params(model: nn.Module, *, muon_params: str | None = None,
                  adamw_params: str | None = None,
                  hook_boundaries: str | None = None) -> ParamSplit:
@@ -123,6 +135,8 @@ def split_params(model: nn.Module, *, muon_params: str | None = None,
         else:
             split.adamw.append(name)
             split.reasons[name] = why
+    if hook_boundaries is None:
+        split.boundaries = _with_expert_boundaries(model, blocks, split.muon)
     split.__post_init__()
     if not split.muon:
         raise ParamRuleError("dmuon.muon_params: no parameter gets Muon")

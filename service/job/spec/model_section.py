@@ -3,6 +3,7 @@ causal LM from a config, or a user's model by import path.
 
     model: small                                   # preset
     model: {dim: 128, n_layers: 2, ...}            # built-in Llama, explicit dims
+    model: {dim: 128, ..., experts: 8, top_k: 2}   # built-in mixture of experts
     model: {hf: models/llama-tiny}                 # config.json (or a dir with one)
     model: {hf_arch: Qwen3MoeForCausalLM, config: {...}, weights: ckpt/}
     model: {factory: "mypkg.models:build", kwargs: {...}}
@@ -31,6 +32,10 @@ class ModelDims(StrictModel):
     n_kv_heads: int = Field(ge=1, le=1024)
     ffn_dim: int = Field(ge=1, le=1 << 20)
     max_seq_len: int = Field(2048, ge=2, le=1 << 20)
+    experts: int = Field(0, ge=0, le=1 << 16, description="experts per layer (0: dense MLP)")
+    top_k: int = Field(2, ge=1, le=1 << 16, description="experts per token")
+    moe_ffn_dim: int = Field(0, ge=0, le=1 << 20, description="an expert's hidden size "
+                                                              "(0: ffn_dim)")
 
     @model_validator(mode="after")
     def _consistent(self):
