@@ -107,20 +107,22 @@ def _measure(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.models.build import logits_of
-    from service.job.models.builtin import causal_lm_loss
+    from service.job.models.builtin import causal_lm_loss, vocab_parallel
     from service.worker.corpus import batch_at, load_corpus
     from service.worker.loop import build_training
 
     spec = parse_spec(spec_data)
-    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
-    model, opt, _ = build_training(spec, mesh)
+    N, T = spec.layout.shard, spec.layout.tp
+    mesh = init_device_mesh("cpu", (1, N, T), mesh_dim_names=("replicate", "shard", "tp"))
+    model, opt, _ = build_training(spec, mesh if T > 1 else mesh["replicate", "shard"])
     corpus = load_corpus("train", max_bytes=200_000)
-    s = mesh["shard"].get_local_rank()
+    s = mesh["shard"].get_local_rank()  # a TP group's ranks share their rows
     ledgers = []
     for step in range(2):
-        rows = batch_at(corpus, step, spec.batch_size * 4, spec.seq_len)
+        rows = batch_at(corpus, step, spec.batch_size * N, spec.seq_len)
         rows = rows[s * spec.batch_size:(s + 1) * spec.batch_size]
-        causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).backward()
+        with vocab_parallel(T):
+            causal_lm_loss(logits_of(model, rows[:, :-1]), rows[:, 1:]).backward()
         dmuon.clip_grad_norm_(model, spec.clip_grad_norm)
         opt.step()
         opt.zero_grad()
@@ -128,24 +130,34 @@ def _measure(rank, world, spec_data):
     return dmuon.memory_report(model, opt), ledgers, dmuon.get_plan(model).to_dict()
 
 
+# EP 2 x expert shard 2; and under TP, attention split over 2 TP ranks and the experts
+# whole on each, EP 2 over the 2 shard ranks
+LAYOUTS = {"1x4_ep2": {"replicate": 1, "shard": 4, "ep": 2},
+           "1x2x2_ep2": {"replicate": 1, "shard": 2, "tp": 2, "ep": 2}}
+
+
 @functools.cache
-def measured_ep2():
+def measured_ep2(layout_id: str):
     from dmuon.testing import run
 
     data = {"model": "small-moe", "precision": "float64", "dmuon": {"mode": "z3"},
             "activation_checkpointing": "non_reentrant", "clip_grad_norm": 1.0,
-            "layout": {"replicate": 1, "shard": 4, "ep": 2}, "batch_size": 2, "seq_len": 16}
-    return predict(parse_spec(data), cpus(1, 4)), run(_measure, data)
+            "layout": LAYOUTS[layout_id], "batch_size": 2, "seq_len": 16}
+    return predict(parse_spec(data), cpus(1, 4)), run(_measure, data, world_size=4)
 
 
-def test_predictions_equal_what_an_ep2_run_of_the_workers_measures():
+@pytest.mark.parametrize("layout_id", sorted(LAYOUTS))
+def test_predictions_equal_what_an_ep2_run_of_the_workers_measures(layout_id):
     """Memory and the shard/replicate bytes per rank exactly; the ``ep`` bytes summed over
     the ranks at every step (what a rank receives depends on the routing, what all ranks
     receive is what they all sent)."""
-    placement, results = measured_ep2()
+    placement, results = measured_ep2(layout_id)
     for rank, (memory, ledgers, _) in enumerate(results):
         assert memory == placement.ranks[rank].memory, rank
         for ledger in ledgers:
+            # not "tp": on an MoE block (PrepareModuleInputOutput, local input) the
+            # ledger's TP hooks count one collective a layer fewer than the plan's
+            # styles imply, at EP 1 as at EP 2 (an open gap of TP's counting, not EP's)
             for dim in ("shard", "replicate"):
                 assert ledger.get(dim, {}) == placement.ranks[rank].ledger.get(dim, {}), rank
     for step in range(2):
@@ -155,8 +167,9 @@ def test_predictions_equal_what_an_ep2_run_of_the_workers_measures():
             assert got == want, (step, phase)
 
 
-def test_the_workers_run_the_stored_ep_partition():
-    placement, results = measured_ep2()
+@pytest.mark.parametrize("layout_id", sorted(LAYOUTS))
+def test_the_workers_run_the_stored_ep_partition(layout_id):
+    placement, results = measured_ep2(layout_id)
     stored = placement.plan.to_dict()
     assert stored["ep_size"] == 2
     for _, _, run_plan in results:

@@ -49,15 +49,18 @@ class Entry:
 
 
 def _dedicated_entries(model, mesh, rank: int) -> dict[str, Entry]:
+    """Every owned unit from the plan, the same list on every rank: under expert
+    parallelism a rank's boundaries hold only its EP coordinate's experts, the plan all."""
     state = dmuon.get_state(model)
-    members = sorted(((m, b) for b in state.boundaries for m in b.members),
-                     key=lambda mb: (mb[0].experts or (0, 0))[0])  # slices in expert order
+    boundary = {m.fqn: b for b in state.boundaries for m in b.members}
+    units = sorted(state.plan.params.values(),
+                   key=lambda a: (a.experts or (0, 0))[0])  # slices in expert order
     entries: dict[str, Entry] = {}
-    for m, b in members:
-        holder = int(mesh.mesh[m.owner[0], m.owner[1]])
-        local = b.masters[m.fqn].detach() if holder == rank else None
-        key = canonical_fqn(state.plan.params[m.fqn].param)
-        entries.setdefault(key, Entry(key)).pieces.append(Piece(holder, local, tuple(m.shape)))
+    for a in units:
+        holder = int(mesh.mesh[a.owner_coord[0], a.owner_coord[1]])
+        local = boundary[a.fqn].masters[a.fqn].detach() if holder == rank else None
+        key = canonical_fqn(a.param)
+        entries.setdefault(key, Entry(key)).pieces.append(Piece(holder, local, tuple(a.shape)))
     return entries
 
 

@@ -93,7 +93,9 @@ def tp_plan(model: nn.Module) -> dict | None:
         qk_norm, mlp = _HF[model_type]
         kwarg = True
     elif type(model).__name__ == "LlamaForCausalLM" and hasattr(model.config, "n_kv_heads"):
-        qk_norm, mlp, kwarg = False, "dense", False  # the built-in model
+        # the built-in model; its MoE variant keeps its experts whole, as Qwen3-MoE's
+        qk_norm, kwarg = False, False
+        mlp = "experts" if getattr(model.config, "experts", 0) else "dense"
     else:
         return None
     layers = "model.layers.*"
