@@ -101,7 +101,7 @@ def test_a_degree_that_runs_is_planned_as_r_x_n_x_t(svc):
     assert status == 201, job
     status, part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")
     assert status == 200 and part["layout"] == {"replicate": 1, "shard": 2, "nodes": 1,
-                                                "tp": 2}
+                                                "tp": 2, "ep": 1}
     assert [r["coord"] for r in part["ranks"]] == [[0, 0, 0], [0, 0, 1], [0, 1, 0],
                                                    [0, 1, 1]]
     assert part["tp_size"] == 2 and "tp" in part["ranks"][0]["ledger"]
