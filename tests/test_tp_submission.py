@@ -3,7 +3,8 @@ uvicorn on 127.0.0.1, no Ray), with a 422 naming ``spec.layout.tp`` and the caus
 degree the model's KV heads do not split into (with the degrees that do), one that does
 not divide a node's workers, and a factory model without a TP plan, on /v1/jobs and
 /v1/plan alike; a degree that can run is planned as R x N x T. Other refusals name
-``spec.<path>`` too, down to the field a section's check names."""
+``spec.<path>`` too, down to the field a section's check names. The dashboard shows
+R x N x T and, for an MoE job, the EP degree and each rank's EP coordinate."""
 
 from __future__ import annotations
 
@@ -128,3 +129,25 @@ def test_the_dashboard_shows_r_x_n_x_t_and_each_ranks_coordinate(svc):
             "rank 0 (0,0,0)", "rank 1 (0,0,1)", "rank 2 (0,1,0)", "rank 3 (0,1,1)"]
         # the T ranks of a slot hold the same matrices (each its TP shard of them)
         assert owners[0].split(":")[1] == owners[1].split(":")[1]
+
+
+def test_the_dashboard_shows_the_ep_degree_and_each_ranks_ep_coordinate(svc):
+    """The built-in MoE as EP 2 on 1 x 4: the layout reads ``1 x 4, ep 2`` and each rank's
+    bar its EP coordinate, its shard index mod 2 (the EP group is 2 consecutive shard
+    ranks)."""
+    from _browser import job_page
+
+    status, job = _submit(svc, {"model": "small-moe",
+                                "layout": {"replicate": 1, "shard": 4, "ep": 2}})
+    assert status == 201, job
+    event = {"reason": "start", "previous": None, "layout": [1, 4], "resumed_from": 0,
+             "steps_lost": 0}
+    records = [{"job_id": job["id"], "step": 1, "rank": rank, "loss": 5.0, "coord": [0, rank],
+                "layout": [1, 4], "layout_event": event if rank == 0 else None}
+               for rank in range(4)]
+    assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)[1] == {"inserted": 4}
+    with job_page(svc.url, job["id"], "running") as (page, facts):
+        assert "layout\n1 x 4, ep 2 (replicate x shard)" in facts
+        bars = page.evaluate("document.getElementById('ownership-chart').data[0].x")
+        assert bars == ["rank 0 (0,0) ep 0", "rank 1 (0,1) ep 1", "rank 2 (0,2) ep 0",
+                        "rank 3 (0,3) ep 1"]
