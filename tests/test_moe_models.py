@@ -1,5 +1,6 @@
 """The service's MoE models under expert parallelism (``service.job.models.experts``): the
-built-in MoE as EP 2 x expert shard 2 and Hugging Face's Qwen3-MoE as EP 2, each on 4
+built-in MoE as EP 2 x expert shard 2, as EP 4 and as HSDP 2 x 2 with EP 2, and Hugging
+Face's Qwen3-MoE as EP 2, each on 4
 gloo ranks in float64, built as the worker builds them (on meta, ``dmuon.shard_experts``
 on the experts, ``dedicate_params`` with the service's split and boundaries, FSDP2 per
 block, ``materialize``, then ``use_expert_parallel``). Against a single-process
@@ -33,7 +34,11 @@ from service.job.models.experts import is_expert, use_expert_parallel
 from service.job.models.params import split_params
 from service.job.spec.presets import ModelConfig
 
-STEPS, SEED, EP = 10, 5, 2
+STEPS, SEED = 10, 5
+# (replicate R, shard N, EP degree P) per kind: EP 2 x expert shard 2, EP 4 (each rank
+# its own 2 experts), HSDP 2 x 2 with EP 2 (the expert shard group one rank a replica)
+LAYOUTS = {"builtin": (1, 4, 2), "builtin_ep4": (1, 4, 4), "builtin_hsdp2x2_ep2": (2, 2, 2),
+           "qwen3_moe": (1, 4, 2), "qwen3_moe_ac": (1, 4, 2)}
 VOCAB, E, K = 64, 8, 2
 BUILTIN = ModelConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       ffn_dim=32, max_seq_len=16, experts=E, top_k=K, moe_ffn_dim=16)
@@ -56,7 +61,7 @@ def _hf(device=None):
 
 def built(kind: str, device=None):
     """The model and its init rule (``device="meta"``: nothing initialised)."""
-    if kind == "builtin":
+    if kind.startswith("builtin"):
         model = build_model(BUILTIN, dtype=torch.float64, device=device, seed=SEED)
         return model, init_builtin
     model = _hf(device)  # qwen3_moe, qwen3_moe_ac
@@ -98,19 +103,22 @@ def _setup(kind: str):
     block and at the root, materialized, then the experts dispatch over the EP group."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))
+    R, N, P = LAYOUTS[kind]
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
     model, init_fn = built(kind, device="meta")
     if kind.endswith("_ac"):  # as prepare_on_meta does, before the split
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     split = split_params(model)
     ep_group = dmuon.shard_experts(model, lambda n, p: split.predicate(n, p) and is_expert(n, p),
-                                   mesh["shard"], EP)
+                                   mesh["shard"], P)
     dmuon.dedicate_params(model, mesh["shard"], split.predicate,
                           hook_boundary_predicate=split.boundary_predicate(model),
+                          replicate_mesh=mesh["replicate"] if R > 1 else None,
                           reshard_after_forward=True)
+    dp = mesh if R > 1 else mesh["shard"]
     for fqn in split.fsdp_units:
-        dmuon.fully_shard(model.get_submodule(fqn), mesh=mesh["shard"])
-    dmuon.fully_shard(model, mesh=mesh["shard"])
+        dmuon.fully_shard(model.get_submodule(fqn), mesh=dp)
+    dmuon.fully_shard(model, mesh=dp)
     dmuon.materialize(model, seed=SEED, init_fn=init_fn)
     switched = use_expert_parallel(model, ep_group, dmuon.get_ledger(model))
     return model, split, switched
@@ -138,9 +146,9 @@ def trained(kind: str) -> list:
     return run(_train, kind, world_size=4)
 
 
-@pytest.mark.parametrize("kind", ["builtin", "qwen3_moe", "qwen3_moe_ac"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_expert_parallel_training_matches_the_float64_reference(kind):
-    ref = reference(kind.removesuffix("_ac"))
+    ref = reference("builtin" if kind.startswith("builtin") else "qwen3_moe")
     for rank, res in enumerate(trained(kind)):
         assert set(res["full"]) == set(ref)
         for key, value in ref.items():
@@ -148,12 +156,12 @@ def test_expert_parallel_training_matches_the_float64_reference(kind):
             assert err <= 1e-9, (kind, rank, key, err)
 
 
-@pytest.mark.parametrize("kind", ["builtin", "qwen3_moe", "qwen3_moe_ac"])
+@pytest.mark.parametrize("kind", list(LAYOUTS))
 def test_each_rank_holds_its_share_of_experts_and_counts_tokens_on_ep(kind):
     for res in trained(kind):
         assert res["switched"] == 2  # one experts module per layer
-        assert len(res["local"]) == (6 if kind == "builtin" else 4), res["local"]
-        assert set(res["local"].values()) == {E // EP}
+        assert len(res["local"]) == (6 if kind.startswith("builtin") else 4), res["local"]
+        assert set(res["local"].values()) == {E // LAYOUTS[kind][2]}
         assert res["ep_bytes"]["forward"] > 0 and res["ep_bytes"]["backward"] > 0
         # checkpointed, the forward's token exchanges run again in the backward
         assert (res["ep_bytes"]["recompute"] > 0) == kind.endswith("_ac")
