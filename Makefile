@@ -10,8 +10,8 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-gpu \
-	lint clean
+	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-ep-plan \
+	bench-gpu lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -87,6 +87,11 @@ bench-elastic-plan: $(STAMP)
 # the planner under tensor parallelism: Llama-3 8B / 70B / 405B, T in {1, 2, 4, 8} (minutes)
 bench-tp-plan: $(STAMP)
 	$(PY) -m bench.tp_plan
+
+# the planner under expert parallelism: Qwen3-30B-A3B, Kimi K2 / DeepSeek-V3 shapes, P in
+# {1, 8, 16, 32, 64} (about 4 minutes on 2 cores)
+bench-ep-plan: $(STAMP)
+	$(PY) -m bench.ep_plan
 
 # the single-GPU check (world size 1, NCCL; estimated 5 minutes on one H200): NS error by
 # precision and scale, the side-stream race, compile and CUDA graphs, memory_report, step

@@ -261,6 +261,8 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
     z3 = modes.dmuon == "z3"
     peak = planning.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=elt)
     clip = _clip_bytes(spec, N, R, master, T)
+    # each a pass over every unit of the plan: once, not once per rank
+    elements, flops = local.elements_per_rank, local.ns_flops_per_rank
     ranks = []
     for rank in range(R * N * T):
         slot, t = divmod(rank, T)
@@ -284,8 +286,8 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
         seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
         ranks.append(RankPrediction(
             rank=rank, coord=(r, s, t) if T > 1 else (r, s),
-            owned_elements=local.elements_per_rank[slot],
-            ns_flops=local.ns_flops_per_rank[slot], memory=memory, packed_peak=peak,
+            owned_elements=elements[slot], ns_flops=flops[slot], memory=memory,
+            packed_peak=peak,
             ledger=ledger, comm_seconds=seconds))
     return ranks
 
@@ -317,18 +319,20 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
                            logits_split=view.logits_split if view is not None else 1)
     gathered_others = sum(math.prod(s) for s in others) * elt
     fsdp_by_index = [_fsdp_bytes(others, shard, s, master) for s in range(shard)]
-    totals = {}
-    for z3 in (False, True):
-        peak = planning.packed_peak_bytes(plan, z3=z3, prefetch=1, param_bytes=elt)
-        worst = 0
-        for rank in range(world):
-            fsdp, adamw = fsdp_by_index[rank % shard]
-            held = planning.memory_prediction(plan, rank, z3=z3, param_bytes=elt,
+    elements = plan.elements_per_rank  # a pass over every unit: once, not once per rank
+    # the worst rank's bytes less its packed buffers are the same under Z2 and Z3 (the
+    # kinds but packed_buffers do not depend on z3): one pass over the ranks for both
+    worst = 0
+    for rank in range(world):
+        fsdp, adamw = fsdp_by_index[rank % shard]
+        held = planning.memory_prediction(plan, rank, z3=True, param_bytes=elt,
                                           master_bytes=master)
-            grads = plan.elements_per_rank[rank] * master + fsdp
-            worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
-                        + grads)
-        totals[z3] = worst + peak + gathered_others + act
+        grads = elements[rank] * master + fsdp
+        worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
+                    + grads)
+    totals = {z3: worst + planning.packed_peak_bytes(plan, z3=z3, prefetch=1,
+                                                     param_bytes=elt)
+              + gathered_others + act for z3 in (False, True)}
     per_node = -(-world * T // max(1, len(nodes)))
     params = sum(p.numel() for p in model.parameters())
     return decide(spec.dmuon, params=params, gpus=world * T, shard=shard,
