@@ -10,7 +10,7 @@ export GLOO_SOCKET_IFNAME ?= lo
 export RAY_USAGE_STATS_ENABLED ?= 0
 
 .PHONY: install test demo demo-torchrun bench bench-overlap bench-ns-quality bench-convergence \
-	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-ep-plan \
+	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-ep-plan bench-ep-run \
 	bench-gpu lint clean
 
 $(STAMP): pyproject.toml requirements.lock requirements-test.lock
@@ -92,6 +92,10 @@ bench-tp-plan: $(STAMP)
 # {1, 8, 16, 32, 64} (about 4 minutes on 2 cores)
 bench-ep-plan: $(STAMP)
 	$(PY) -m bench.ep_plan
+
+# expert parallelism measured: small-moe on 4 gloo ranks, EP 1 against EP 2 (a minute)
+bench-ep-run: $(STAMP)
+	$(PY) -m bench.ep_run
 
 # the single-GPU check (world size 1, NCCL; estimated 5 minutes on one H200): NS error by
 # precision and scale, the side-stream race, compile and CUDA graphs, memory_report, step

@@ -274,11 +274,12 @@ host's 8 GPUs, else InfiniBand (FSDP's shard dim crosses hosts whenever N > 8).
 **Hook boundaries.** Every spec sets `dmuon.hook_boundaries: {BOUNDARIES}`: attention and
 the MLP (the experts' module, with the router, which is AdamW) are separate DMuon
 boundaries. The workers refuse a boundary holding expert-parallel and other params; the
-Hugging Face default (one boundary per decoder layer) holds both, and on it the planner
-counts a whole layer's experts, not E/P of them, in the Z3 window (Kimi K2 shape, 32 hosts,
-P = 8: packed peak 68 GB instead of 4.5 GB). Branch moe-models (5184a27, not merged here)
-makes every module holding 3-D Muon params a boundary of its own; with it the setting is
-redundant.
+service's default split (`service/job/models/params.py`) makes every module holding 3-D
+Muon params (the experts) a boundary of its own, nested in its decoder layer, so a job
+that sets nothing gets the experts apart too (with the attention and the router in the
+layer's boundary); a boundary holding a whole layer would count all of its experts, not
+E/P of them, in the Z3 window (Kimi K2 shape, 32 hosts, P = 8: packed peak 68 GB instead
+of 4.5 GB).
 
 **Where the published layouts sit.** Kimi K2 trained with pipeline parallelism (virtual
 stages), 16-way EP and ZeRO-1 data parallelism, a model-parallel group of 256 GPUs holding
