@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 _OPS = ("broadcast", "reduce", "all_reduce", "all_gather", "all_gather_into_tensor",
         "all_gather_single", "reduce_scatter_tensor", "reduce_scatter",
@@ -105,3 +106,22 @@ class DMuonCollectives:
     def take(self):
         log, self.log = list(self.log), []
         return log
+
+
+class FuncolBytes(TorchDispatchMode):
+    """Bytes per rank of every functional collective on one group, by the cost model
+    (all-reduce 2(n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S of the whole)."""
+
+    def __init__(self, group):
+        super().__init__()
+        self.name, self.n, self.bytes = group.group_name, group.size(), 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        op = func.__name__.split(".")[0]
+        if func.namespace == "_c10d_functional" and self.name in args:
+            t = args[0]
+            whole = {"all_reduce": 2 * t.nbytes, "all_gather_into_tensor": t.nbytes * self.n,
+                     "reduce_scatter_tensor": t.nbytes}[op]
+            self.bytes += whole * (self.n - 1) / self.n
+        return out

@@ -148,17 +148,14 @@ def measured_ep2(layout_id: str):
 
 @pytest.mark.parametrize("layout_id", sorted(LAYOUTS))
 def test_predictions_equal_what_an_ep2_run_of_the_workers_measures(layout_id):
-    """Memory and the shard/replicate bytes per rank exactly; the ``ep`` bytes summed over
+    """Memory and the shard/replicate/tp bytes per rank exactly; the ``ep`` bytes summed over
     the ranks at every step (what a rank receives depends on the routing, what all ranks
     receive is what they all sent)."""
     placement, results = measured_ep2(layout_id)
     for rank, (memory, ledgers, _) in enumerate(results):
         assert memory == placement.ranks[rank].memory, rank
         for ledger in ledgers:
-            # not "tp": on an MoE block (PrepareModuleInputOutput, local input) the
-            # ledger's TP hooks count one collective a layer fewer than the plan's
-            # styles imply, at EP 1 as at EP 2 (an open gap of TP's counting, not EP's)
-            for dim in ("shard", "replicate"):
+            for dim in ("shard", "replicate", "tp"):
                 assert ledger.get(dim, {}) == placement.ranks[rank].ledger.get(dim, {}), rank
     for step in range(2):
         for phase in ("forward", "backward", "recompute"):

@@ -14,10 +14,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
+from _collectives import FuncolBytes
 from _hf_build import hf_causal_lm
 from _memory import peak_live_bytes
 from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import dmuon
 from dmuon.testing import run
@@ -55,25 +55,6 @@ def batches():
 def loss_of(model, tokens):
     logits = model(input_ids=tokens[:, :-1]).logits
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-
-
-class FuncolBytes(TorchDispatchMode):
-    """Bytes per rank of every functional collective on one group, by the cost model
-    (all-reduce 2(n-1)/n x S, all-gather and reduce-scatter (n-1)/n x S of the whole)."""
-
-    def __init__(self, group):
-        super().__init__()
-        self.name, self.n, self.bytes = group.group_name, group.size(), 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        op = func.__name__.split(".")[0]
-        if func.namespace == "_c10d_functional" and self.name in args:
-            t = args[0]
-            whole = {"all_reduce": 2 * t.nbytes, "all_gather_into_tensor": t.nbytes * self.n,
-                     "reduce_scatter_tensor": t.nbytes}[op]
-            self.bytes += whole * (self.n - 1) / self.n
-        return out
 
 
 def setup(layout):

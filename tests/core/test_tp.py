@@ -1,4 +1,5 @@
-"""Tensor parallelism: dp=2 x tp=2 on 4 gloo processes, TP first, DMuon second, FSDP2 third."""
+"""Tensor parallelism: dp=2 x tp=2 on 4 gloo processes, TP first, DMuon second, FSDP2 third;
+and the ``tp`` ledger of a block of whole experts on tp=2 alone."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder
+from _collectives import CollectiveRecorder, FuncolBytes
 from _model import build_model, get_config, muon_predicate
 from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
 
@@ -178,3 +179,59 @@ def test_a_nan_in_one_tp_peers_shard_skips_the_step_on_every_rank():
         assert skipped == [0, 1, 1, 1], rank
         assert flagged[NAN_STEP] == [0], rank  # dp rank 0's gradient, named on every rank
         assert finite, rank
+
+
+B, S, H = 2, 8, 16  # rows, whole sequence, hidden: the activation a whole-experts block moves
+
+
+class _WholeExperts(torch.nn.Module):
+    """A residual block whose MLP stays whole on every TP rank (as the experts of an MoE
+    block do): its input all-gathered, its output cut back to the rank's sequence shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(H, 2 * H), torch.nn.SiLU(),
+                                       torch.nn.Linear(2 * H, H))
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.proj(x)
+        return h + checkpoint(self.mlp, h, use_reentrant=False)
+
+
+def _whole_experts_bytes(rank, world):
+    """The ledger's ``tp`` bytes against the functional collectives DTensor issues."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = _WholeExperts().double()
+    parallelize_module(model.mlp, mesh["tp"], PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),),
+        use_local_output=True))
+    dmuon.dedicate_params(model, mesh["dp"], predicate=lambda n, p: p.ndim == 2,
+                          hook_boundary_strict=False)
+    ledger, group = dmuon.get_ledger(model), mesh["tp"].get_group()
+    x = torch.randn(B, S // world, H, dtype=torch.float64)  # this rank's sequence shard
+    forward, backward = FuncolBytes(group), FuncolBytes(group)
+    with forward:
+        out = model(x)
+    with backward:
+        out.square().sum().backward()
+    return {"forward": forward.bytes, "backward": backward.bytes,
+            "ledger": {p: ledger.current("tp", p) for p in ("forward", "backward", "recompute")}}
+
+
+def test_tp_bytes_of_a_whole_experts_block_are_the_collectives_dtensor_issues():
+    """Both sides of its style are local tensors: before the ledger read the style's
+    declared layouts it saw no DTensor there and counted none of the three all-gathers
+    (the input's, forward and recomputed; the output gradient's, backward)."""
+    gather = (TP - 1) / TP * B * S * H * 8
+    for res in run(_whole_experts_bytes, world_size=TP):
+        assert res["forward"] == res["ledger"]["forward"] == gather
+        assert res["backward"] == res["ledger"]["backward"] + res["ledger"]["recompute"]
+        assert res["ledger"]["backward"] == res["ledger"]["recompute"] == gather
