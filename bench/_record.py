@@ -29,3 +29,14 @@ def write_record(bench: str, title: str, table: str, data: dict, notes: str = ""
     stem.with_suffix(".json").write_text(json.dumps(
         {"bench": bench, "date": day, "machine": machine(), **data}, indent=1) + "\n")
     return str(stem.with_suffix(".md"))
+
+
+def gb(n) -> str:
+    """Bytes as GB with one decimal, a table cell."""
+    return f"{n / 1e9:.1f}"
+
+
+def moved(row: dict, dims: tuple[str, ...], fmt: str = ".1f") -> str:
+    """``a / b / c``: a row's GB per step on ``dims`` (``row["bytes_per_step"]``)."""
+    b = row["bytes_per_step"]
+    return " / ".join(f"{b.get(d, 0) / 1e9:{fmt}}" for d in dims)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from bench._record import write_record
+from bench._record import gb, moved, write_record
 from service.job.models.source import ModelSource
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.layout_choice import PlacementError
@@ -27,6 +27,7 @@ from service.job.plan.modes import GB, HEADROOM
 from service.job.plan.predict import MetaModel, needed_bytes, predict
 from service.job.spec import SpecError, parse_spec
 
+EP_DIMS = ("shard", "replicate", "ep")  # the bytes-per-step column, GB by dim
 GLOBAL_ROWS, SEQ, GPUS_PER_HOST, DEVICE_GB = 15360, 4096, 8, 80.0
 EPS = (1, 8, 16, 32, 64)
 # bf16 compute, fp32 masters: per parameter a shard group holds at least its bf16 shard
@@ -171,15 +172,6 @@ def published_rows(planners: dict[str, Planner]) -> list[dict]:
     return out
 
 
-def _gb(b) -> str:
-    return f"{b / GB:.1f}"
-
-
-def _moved(r: dict) -> str:
-    b = r["bytes_per_step"]
-    return " / ".join(f"{b.get(d, 0) / GB:,.0f}" for d in ("shard", "replicate", "ep"))
-
-
 def _line(r: dict) -> str:
     if "refused" in r:
         return f"| {r['model']} | {r['ep']} | - | - | - | - | - | - | - | - | - | - | - | " \
@@ -187,17 +179,18 @@ def _line(r: dict) -> str:
     R, N = r["layout"]
     return (f"| {r['model']} | {r['ep']} | {r['hosts']} | {r['gpus']} | {R} x {N} "
             f"({r['kind']}) | {r['ep_link']} | {r['micro_batches']} | {r['mode'].upper()} | "
-            f"{_gb(r['resident_bytes'])} | {_gb(r['peak_bytes'])} | "
-            f"{_gb(r['packed_peak_bytes'])} | {r['comm_seconds']:.1f} | {_moved(r)} | runs |")
+            f"{gb(r['resident_bytes'])} | {gb(r['peak_bytes'])} | "
+            f"{gb(r['packed_peak_bytes'])} | {r['comm_seconds']:.1f} | "
+            f"{moved(r, EP_DIMS, ',.0f')} | runs |")
 
 
 def _published_line(r: dict) -> str:
     R, N = r["layout"]
     verdict = "fits" if r["fits"] else "does not fit"
     return (f"| {r['case']} | {R} x {N}, P = {r['ep']} | {r['ep_link']} | "
-            f"{r['micro_batches']} | {r['mode'].upper()} | {_gb(r['resident_bytes'])} | "
-            f"{_gb(r['peak_bytes'])} of {_gb(r['device_bytes'])} ({verdict}) | "
-            f"{r['comm_seconds']:.1f} | {_moved(r)} |")
+            f"{r['micro_batches']} | {r['mode'].upper()} | {gb(r['resident_bytes'])} | "
+            f"{gb(r['peak_bytes'])} of {gb(r['device_bytes'])} ({verdict}) | "
+            f"{r['comm_seconds']:.1f} | {moved(r, EP_DIMS, ',.0f')} |")
 
 
 HEADER = ("| model | P | hosts | GPUs | R x N | ep link | micro-batches per rank | mode | "

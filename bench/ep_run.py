@@ -32,12 +32,13 @@ def _spec(layout: dict) -> dict:
 
 
 def _measure(rank, world, data):
+    from torch.distributed.device_mesh import init_device_mesh
+
     import dmuon
     from service.job.models.build import logits_of
     from service.job.models.builtin import causal_lm_loss
     from service.worker.corpus import batch_at, load_corpus
     from service.worker.loop import build_training
-    from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(1)
     spec = parse_spec(data)

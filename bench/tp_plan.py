@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import argparse
 
-from bench._record import write_record
+from bench._record import gb, moved, write_record
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.layout_choice import PlacementError
 from service.job.plan.modes import GB
 from service.job.plan.predict import needed_bytes, predict
 from service.job.spec import SpecError, parse_spec
 
+TP_DIMS = ("shard", "replicate", "tp")  # the bytes-per-step column, GB by dim
 GLOBAL_ROWS, SEQ, GPUS_PER_HOST = 64, 8192, 8
 # Llama 3.1 405B's published shapes (config.json); 8B and 70B are the built-in presets
 LLAMA3_405B = {"vocab_size": 128256, "dim": 16384, "n_layers": 126, "n_heads": 128,
@@ -102,24 +103,15 @@ def torchtitan_rows() -> list[dict]:
              ("405B FSDP 16 x TP 8, 128 H100", "llama3-405b", 16,
               {"replicate": 1, "shard": 16, "tp": 8}, 2, 32, 94.0)]
     out = []
-    for label, name, hosts, layout, batch, rows, gb in cases:
+    for label, name, hosts, layout, batch, rows, device_gb in cases:
         s = spec(MODELS[name], {"nodes": hosts, **layout}, batch_size=batch, global_rows=rows,
-                 device_gb=gb)
+                 device_gb=device_gb)
         p = predict(s, synthetic_inventory(hosts, GPUS_PER_HOST))
         row = _row(name, hosts, "torchtitan", p)
         row.update(case=label, micro_batches=rows // (p.replicate * p.shard * batch),
                    device_bytes=p.modes.device_bytes)
         out.append(row)
     return out
-
-
-def _gb(b) -> str:
-    return f"{b / GB:.1f}"
-
-
-def _moved(r: dict) -> str:
-    b = r["bytes_per_step"]
-    return " / ".join(f"{b.get(d, 0) / GB:.1f}" for d in ("shard", "replicate", "tp"))
 
 
 def _line(r: dict) -> str:
@@ -129,17 +121,17 @@ def _line(r: dict) -> str:
     R, N, T = r["layout"]
     return (f"| {r['model']} | {T} | {r['hosts']} | {r['gpus']} | {R} x {N} x {T} "
             f"({r['kind']}) | {r['micro_batches']} x {SEQ} | {r['mode'].upper()} | "
-            f"{_gb(r['resident_bytes'])} | {_gb(r['peak_bytes'])} | {_gb(r['logits_bytes'])} "
-            f"| {r['comm_seconds']:.2f} | {_moved(r)} | runs |")
+            f"{gb(r['resident_bytes'])} | {gb(r['peak_bytes'])} | {gb(r['logits_bytes'])} "
+            f"| {r['comm_seconds']:.2f} | {moved(r, TP_DIMS)} | runs |")
 
 
 def _titan_line(r: dict) -> str:
     R, N, T = r["layout"]
     verdict = "fits" if r["fits"] else "does not fit"
     return (f"| {r['case']} | {R} x {N} x {T} | {r['micro_batches']} | "
-            f"{r['mode'].upper()} | {_gb(r['resident_bytes'])} | {_gb(r['peak_bytes'])} of "
-            f"{_gb(r['device_bytes'])} ({verdict}) | {_gb(r['logits_bytes'])} | "
-            f"{r['comm_seconds']:.2f} | {_moved(r)} |")
+            f"{r['mode'].upper()} | {gb(r['resident_bytes'])} | {gb(r['peak_bytes'])} of "
+            f"{gb(r['device_bytes'])} ({verdict}) | {gb(r['logits_bytes'])} | "
+            f"{r['comm_seconds']:.2f} | {moved(r, TP_DIMS)} |")
 
 
 HEADER = ("| model | T | hosts | GPUs | R x N x T | micro-batches x tokens per rank | mode | "

@@ -254,7 +254,7 @@ def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
 
 def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
            dp: tuple[int, int], batch: tuple[int, int], bw: dict,
-           moe: MoEShape = MoEShape()) -> list[RankPrediction]:
+           moe: MoEShape | None = None) -> list[RankPrediction]:
     """Every rank's prediction, rank ``(r * N + s) * T + t`` at (r, s[, t])."""
     (R, N), T = dp, view.T
     elt, master, reduce = _bytes_of(spec)
@@ -272,7 +272,7 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
                                         reduce_bytes=reduce)
         if T > 1:
             ledger["tp"] = _tp_ledger(spec, plan, view, slot, batch, master)
-        if plan.ep_size > 1:  # under TP every rank of a group sends the group's tokens
+        if moe is not None and plan.ep_size > 1:  # under TP each rank sends its group's tokens
             ledger["ep"] = ep_ledger(moe, plan.ep_size, tokens=batch[1] * spec.seq_len,
                                      micros=batch[0], elt=elt,
                                      checkpointing=spec.activation_checkpointing != "none")
