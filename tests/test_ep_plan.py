@@ -172,3 +172,54 @@ def test_the_workers_run_the_stored_ep_partition(layout_id):
     for _, _, run_plan in results:
         assert partition_digest(run_plan) == partition_digest(stored)
         assert run_plan == stored
+
+
+def test_a_deferred_plan_and_an_elastic_range_carry_the_ep_degree():
+    """A plan the job's entrypoint completes (the control plane cannot build the model)
+    keeps the spec's P in its layout; an elastic range's every node count too, equal to
+    its partition's."""
+    from service.job.plan.elastic import elastic_document
+    from service.job.plan.make import deferred_document
+
+    assumed = {"source": "assumed", "nodes": 1, "cpus_per_node": 4, "reason": "no cluster"}
+    for ep in (1, 2):
+        spec = spec_of({"replicate": 1, "shard": 4, "ep": ep})
+        assert deferred_document(spec, (1, 1, 4, 1), assumed, "x").layout.ep == ep
+    spec = parse_spec({"model": "small-moe", "global_batch_tokens": 256, "seq_len": 16,
+                       "batch_size": 2, "checkpoint": {"interval": 2},
+                       "layout": {"workers_per_node": 2, "ep": 2,
+                                  "elastic": {"min_nodes": 1, "max_nodes": 2}}})
+    plan = elastic_document(spec, cpus(1, 2)[0], {"source": "assumed", "nodes": 2})
+    assert plan.layout.ep == 2 and plan.partition["ep_size"] == 2
+    for entry in plan.runnable():
+        assert entry.layout.ep == entry.partition["ep_size"] == 2, entry.layout
+
+
+def test_hook_boundaries_mixing_experts_with_dense_params_are_refused_under_ep():
+    """A whole decoder layer as one boundary holds its experts and its attention: EP lays
+    them out apart, so the spec is refused naming the field (EP 1 takes it)."""
+    whole_layers = {"hook_boundaries": r"model\.layers\.\d+", "mode": "z3"}
+    with pytest.raises(SpecError, match="'model.layers.0' holds MoE experts") as e:
+        planned(spec_of({"replicate": 1, "shard": 4, "ep": 2}, dmuon=whole_layers))
+    assert str(e.value).startswith("dmuon.hook_boundaries")
+    assert planned(spec_of({"replicate": 1, "shard": 4}, dmuon=whole_layers)).plan.ep_size == 1
+
+
+def test_mfu_counts_the_top_k_experts_a_token_runs():
+    """small-moe by hand: per layer norms 2 x 128, q/o 128 x 128, k/v 64 x 128, router
+    128 x 8, and of its 8 experts (3 x 128 x 128 each) the 2 a token runs; the final norm
+    and the head (256 x 128); the embedding not. The same on a model cut to EP 2."""
+    import torch
+
+    from service.job.models.builtin import build_model
+    from service.worker.step_metrics import flops_per_token
+
+    model = build_model("small-moe", dtype=torch.float32, device="meta")
+    layer = 2 * 128 + 2 * 128 * 128 + 2 * 64 * 128 + 128 * 8 + 2 * 3 * 128 * 128
+    params = 2 * layer + 128 + 256 * 128
+    assert flops_per_token(model, 2, 128, 16) == 6 * params + 12 * 2 * 128 * 16
+    for block in model.model.layers:  # what dmuon.shard_experts leaves a rank of EP 2
+        experts = block.mlp.experts
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(experts, name, torch.nn.Parameter(getattr(experts, name)[:4]))
+    assert flops_per_token(model, 2, 128, 16) == 6 * params + 12 * 2 * 128 * 16

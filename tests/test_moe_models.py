@@ -170,8 +170,8 @@ def test_each_rank_holds_its_share_of_experts_and_counts_tokens_on_ep(kind):
 
 
 def test_the_local_experts_match_hugging_faces_eager_experts():
-    """The built-in experts' local call and the EP rule for Hugging Face's fused layout
-    evaluate the experts as Hugging Face's eager loop does (one process)."""
+    """The EP rule for Hugging Face's fused layout (each local expert on its rows)
+    evaluates the experts as Hugging Face's eager loop does (one process)."""
     from service.job.models.experts import _hf_expert
 
     model, _ = built("qwen3_moe")

@@ -48,6 +48,7 @@ def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
         return ElasticLayout(layout=layout, micro_batches=micros, rows_per_micro=rows), None
     placement = predict(spec, [node] * n, model_inputs=model_inputs,
                         layout=(n, n, per_node // T, T))
+    layout = placement.layout  # with the EP degree the partition was made for
     modes, refused = placement.modes, None
     if not modes.fits:
         held = needed_bytes(modes)

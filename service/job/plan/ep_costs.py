@@ -68,7 +68,27 @@ def resolve_ep(spec: JobSpec, shard: int, moe: MoEShape) -> int:
     if moe.layers and moe.experts % ep:
         raise SpecError(f"layout.ep = {ep} does not divide the model's {moe.experts} "
                         "experts per MoE layer")
+    if ep > 1 and not (moe.top_k and moe.hidden):
+        raise SpecError(f"layout.ep = {ep}: the model's config names no top_k "
+                        "(num_experts_per_tok or top_k) and hidden size (hidden_size or "
+                        "dim), which the planner's token traffic needs")
     return ep
+
+
+def check_ep_boundaries(entries: list[tuple], experts: set[str], ep: int) -> None:
+    """Refuse hook boundaries that hold experts and other Muon params under EP: the
+    workers could not lay them out (``dmuon.dedicate_params`` refuses such a boundary),
+    so the spec that set them is told now. ``entries``: ``planning.model_entries``."""
+    if ep == 1:
+        return
+    kinds: dict[str, set[bool]] = {}
+    for fqn, _, boundary in entries:
+        kinds.setdefault(boundary, set()).add(fqn in experts)
+    mixed = [b for b, k in kinds.items() if len(k) == 2]
+    if mixed:
+        raise SpecError(f"dmuon.hook_boundaries: '{mixed[0]}' holds MoE experts and other "
+                        f"Muon params, which layout.ep = {ep} lays out apart; give the "
+                        "experts' module a boundary of its own (or leave the setting out)")
 
 
 def ep_ledger(moe: MoEShape, P: int, *, tokens: int, micros: int, elt: int,

@@ -24,7 +24,7 @@ from ..models.experts import is_expert
 from ..models.source import BUILTIN, ModelSource
 from ..spec import JobSpec, SpecError
 from .document import Layout, RankPrediction
-from .ep_costs import MoEShape, ep_ledger, moe_shape, resolve_ep
+from .ep_costs import MoEShape, check_ep_boundaries, ep_ledger, moe_shape, resolve_ep
 from .inventory import NodeInfo
 from .layout_choice import (
     PlacementError,
@@ -57,7 +57,10 @@ class Placement:
 
     @property
     def ep(self) -> int:
-        return self.plan.ep_size
+        """P; a deferred plan (no partition yet) takes the spec's integer, else 1."""
+        if self.plan is not None:
+            return self.plan.ep_size
+        return self.spec.layout.ep if isinstance(self.spec.layout.ep, int) else 1
 
     @property
     def world_size(self) -> int:
@@ -178,9 +181,9 @@ class MetaModel:
 
 
 def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
-    """(model on meta, its Muon/AdamW split, the partition, its TP view) as the workers
-    will make them; a TP degree the model refuses is a SpecError naming ``layout.tp``.
-    ``source``: the model's source, or the plan's ``MetaModel`` built once."""
+    """(model on meta, its Muon/AdamW split, the partition, its TP view, its MoE shape)
+    as the workers will make them; a TP degree the model refuses is a SpecError naming
+    ``layout.tp``. ``source``: the model's source, or the plan's ``MetaModel`` built once."""
     prepared = MetaModel.of(spec, source).prepared()
     model, split = prepared.model, prepared.split
     embed = _embedding(model)
@@ -190,9 +193,13 @@ def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
     except ValueError as e:
         raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
     moe = moe_shape(model, split.predicate)
+    ep = resolve_ep(spec, N, moe)
+    check_ep_boundaries(planning.model_entries(model, split.predicate,
+                                               split.boundary_predicate(model)),
+                        {n for n, p in model.named_parameters() if is_expert(n, p)}, ep)
     plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
                            hook_boundary_predicate=split.boundary_predicate(model),
-                           experts=is_expert, ep_size=resolve_ep(spec, N, moe))
+                           experts=is_expert, ep_size=ep)
     annotate(plan, view.splits, T)
     return model, split, plan, view, moe
 
