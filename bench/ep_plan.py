@@ -230,10 +230,9 @@ def main(argv=None) -> None:
                  notes=notes(timings, total))
 
 
-def notes(timings: dict, total: float) -> str:
+def _setup_notes(timings: dict) -> str:
+    """The record's notes on the models, the batch and the search."""
     params = ", ".join(f"{n} {t['params'] / 1e9:,.1f}B" for n, t in timings.items())
-    slow = ", ".join(f"{n}: {t['placements']} placements in {t['seconds']:.0f} s (slowest "
-                     f"{t['slowest_s']:.0f} s)" for n, t in timings.items())
     return f"""**Models** (parameters as built: {params}). Qwen3-30B-A3B is its published
 config ({QWEN3_30B_A3B_URL}): hidden 2048, 48 layers, 32 heads of 128, 4 KV heads, 128
 experts of width 768, top 8, vocabulary 151936. The Kimi K2 shape takes Kimi K2's expert
@@ -262,7 +261,13 @@ estimate: the experts' dispatched rows, n x k x hidden per MoE layer, are not co
 packed peak: DMuon's Z3 window of packed buffers (two boundaries). Comm: the slowest
 rank's bytes per step over 450 GB/s NVLink and 50 GB/s InfiniBand, one after the other,
 nothing overlapped; the ep link column is predict's `ep_in_node`: NVLink when P divides a
-host's 8 GPUs, else InfiniBand (FSDP's shard dim crosses hosts whenever N > 8).
+host's 8 GPUs, else InfiniBand (FSDP's shard dim crosses hosts whenever N > 8)."""
+
+
+def notes(timings: dict, total: float) -> str:
+    slow = ", ".join(f"{n}: {t['placements']} placements in {t['seconds']:.0f} s (slowest "
+                     f"{t['slowest_s']:.0f} s)" for n, t in timings.items())
+    return _setup_notes(timings) + f"""
 
 **Hook boundaries.** Every spec sets `dmuon.hook_boundaries: {BOUNDARIES}`: attention and
 the MLP (the experts' module, with the router, which is AdamW) are separate DMuon
