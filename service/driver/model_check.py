@@ -23,6 +23,6 @@ def check_against_model(spec: JobSpec, plan: PlanDocument, source: ModelSource) 
     entries = model_entries(model, split.predicate, split.boundary_predicate(model))
     ep_size = plan.partition.get("ep_size", 1)
     experts = [n for n, p in model.named_parameters()
-               if ep_size > 1 and split.predicate(n) and p.ndim == 3 and is_expert(n, p)]
+               if ep_size > 1 and split.predicate(n) and is_expert(n, p)]
     check_plan(DedicationPlan.from_dict(plan.partition), entries, plan.layout.shard,
                plan.layout.replicate, ep_params=experts, ep_size=ep_size)

@@ -11,20 +11,10 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from service.job.models.experts import is_expert
+from service.job.models.experts import experts_per_token, is_expert
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), FLOP/s per GPU
 GPU_PEAKS = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-
-
-def _active_numel(model: nn.Module, name: str, p) -> float:
-    """The elements of ``p`` a token runs through: an MoE layer's experts count top_k of
-    them, whatever the layer's E and however many this rank holds (EP)."""
-    if not is_expert(name, p):
-        return p.numel()
-    config = getattr(model, "config", None)
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", 1)
-    return p.numel() / p.shape[0] * top_k
 
 
 def flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) -> float:
@@ -32,7 +22,11 @@ def flops_per_token(model: nn.Module, n_layers: int, hidden: int, seq_len: int) 
     experts the top_k a token runs) for the matmuls, forward and backward, plus 12 x
     layers x hidden x seq_len for attention scores (PaLM's appendix B, as torchtitan
     counts)."""
-    dense = sum(_active_numel(model, name, p) for name, p in model.named_parameters()
+    top_k = experts_per_token(model) or 1
+    # an expert tensor's elements a token runs: top_k of its experts, whatever the
+    # layer's E and however many of them this rank holds (EP)
+    dense = sum(p.numel() / p.shape[0] * top_k if is_expert(name, p) else p.numel()
+                for name, p in model.named_parameters()
                 if not isinstance(model.get_submodule(name.rsplit(".", 1)[0]), nn.Embedding))
     return 6.0 * dense + 12.0 * n_layers * hidden * seq_len
 

@@ -29,6 +29,13 @@ def is_expert(name: str, param) -> bool:
     return param.ndim == 3 and name.rpartition(".")[0].rpartition(".")[2] == EXPERTS_MODULE
 
 
+def experts_per_token(model: nn.Module) -> int | None:
+    """top_k: the experts each token runs, as the model's config names it (Hugging
+    Face's ``num_experts_per_tok``, the built-in ``top_k``); None where it names none."""
+    config = getattr(model, "config", None)
+    return getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", None)
+
+
 def _holds_experts(name: str, module: nn.Module) -> bool:
     return name.rpartition(".")[2] == EXPERTS_MODULE and any(
         is_expert(f"{name}.{p}", t) for p, t in module.named_parameters(recurse=False))

@@ -22,7 +22,9 @@ from fractions import Fraction
 
 from torch import nn
 
-from ..models.experts import is_expert
+from dmuon import planning
+
+from ..models.experts import experts_per_token, is_expert
 from ..spec import JobSpec, SpecError
 
 
@@ -46,9 +48,9 @@ def moe_shape(model: nn.Module, predicate) -> MoEShape:
     if len(counts) > 1:
         raise SpecError(f"layout.ep: MoE layers with different expert counts {sorted(counts)}")
     config = getattr(model, "config", None)
-    top_k = getattr(config, "num_experts_per_tok", None) or getattr(config, "top_k", 0)
     hidden = getattr(config, "hidden_size", None) or getattr(config, "dim", 0)
-    return MoEShape(len(owners), counts.pop(), int(top_k), int(hidden))
+    return MoEShape(len(owners), counts.pop(), int(experts_per_token(model) or 0),
+                    int(hidden))
 
 
 def resolve_ep(spec: JobSpec, shard: int, moe: MoEShape) -> int:
@@ -75,14 +77,16 @@ def resolve_ep(spec: JobSpec, shard: int, moe: MoEShape) -> int:
     return ep
 
 
-def check_ep_boundaries(entries: list[tuple], experts: set[str], ep: int) -> None:
+def check_ep_boundaries(model: nn.Module, split, ep: int) -> None:
     """Refuse hook boundaries that hold experts and other Muon params under EP: the
     workers could not lay them out (``dmuon.dedicate_params`` refuses such a boundary),
-    so the spec that set them is told now. ``entries``: ``planning.model_entries``."""
-    if ep == 1:
+    so the spec that set them is told now. ``split``: the model's ``ParamSplit``."""
+    if ep == 1:  # a dense layout keeps nothing apart: the model is not walked again
         return
+    experts = {n for n, p in model.named_parameters() if is_expert(n, p)}
     kinds: dict[str, set[bool]] = {}
-    for fqn, _, boundary in entries:
+    for fqn, _, boundary in planning.model_entries(model, split.predicate,
+                                                   split.boundary_predicate(model)):
         kinds.setdefault(boundary, set()).add(fqn in experts)
     mixed = [b for b, k in kinds.items() if len(k) == 2]
     if mixed:

@@ -194,9 +194,7 @@ def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
         raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
     moe = moe_shape(model, split.predicate)
     ep = resolve_ep(spec, N, moe)
-    check_ep_boundaries(planning.model_entries(model, split.predicate,
-                                               split.boundary_predicate(model)),
-                        {n for n, p in model.named_parameters() if is_expert(n, p)}, ep)
+    check_ep_boundaries(model, split, ep)
     plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
                            hook_boundary_predicate=split.boundary_predicate(model),
                            experts=is_expert, ep_size=ep)
