@@ -14,6 +14,7 @@ from torch import nn
 from . import comm
 from .cuda_graphs import check_no_cuda_graphs
 from .fqn import canonical_fqn, params_by_name
+from .nonfinite import count_nonfinite
 from .partition import DedicationPlan
 
 if TYPE_CHECKING:
@@ -256,8 +257,8 @@ class DMuonState:
         return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
 
     def _fsdp2_nonfinite(self) -> torch.Tensor | None:
-        finite = [g.sum().isfinite() for g in self.fsdp2_gradients()]
-        return (~torch.stack(finite).all()).float() if finite else None
+        count = count_nonfinite(self.fsdp2_gradients())
+        return None if count is None else (count > 0).float()
 
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:

@@ -110,13 +110,21 @@ def norm_precision(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype == torch.float16 else dtype
 
 
-def _normalised_wide(G: torch.Tensor, dtype: torch.dtype, eps: float):
+def norm_floor(dtype: torch.dtype) -> float:
+    """The least a Frobenius norm is divided by: the dtype's smallest normal number, so
+    every nonzero matrix reaches unit norm (torch.optim.Muon's ``eps`` of 1e-7 left a
+    momentum of norm below it unnormalised, and NS then stalled: 0.33 off the polar
+    factor at element scale 1e-10), and an all-zero one stays zero (0 / floor)."""
+    return torch.finfo(dtype).tiny
+
+
+def _normalised_wide(G: torch.Tensor, dtype: torch.dtype):
     """G, oriented wide, over its Frobenius norm, then cast to ``dtype``: normalised
     first, so half precision only ever holds values of norm 1 (casting first lost
     fp16 to underflow at element scale 1e-7 and to overflow at 1e3)."""
     tall = G.size(-2) > G.size(-1)
     X = (G.mT if tall else G).to(norm_precision(G.dtype))
-    norm = X.norm(dim=(-2, -1), keepdim=True).clamp(min=eps)
+    norm = X.norm(dim=(-2, -1), keepdim=True).clamp(min=norm_floor(X.dtype))
     return (X / norm).to(dtype), tall
 
 
@@ -194,13 +202,15 @@ def newton_schulz(
     ``dtype``; a higher precision is an option); it needs fewer FLOPs for rectangular
     matrices (``ns_flops``) and falls back to the standard iteration for square ones.
     ``"standard"`` is the iteration of Keller Jordan's Muon as in ``torch.optim.Muon``.
+    ``eps`` is accepted for torch.optim.Muon's signature; the norm's floor is
+    ``norm_floor`` (the dtype's smallest normal), not ``eps``.
     """
     if G.ndim not in (2, 3):
         raise ValueError(f"newton_schulz needs a 2-D matrix (or 3-D batch), got {tuple(G.shape)}")
     backend = check_backend(backend)
     schedule = coefficient_schedule(coefficients, steps)
     dtype = dtype or default_ns_dtype(G.device, backend, G.dtype)
-    X, tall = _normalised_wide(G, dtype, eps)
+    X, tall = _normalised_wide(G, dtype)
     if backend == "gram" and X.size(-2) < X.size(-1):
         X = _gram(X, schedule, restart, inner=gram_dtype)
     else:

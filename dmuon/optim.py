@@ -11,6 +11,7 @@ from . import normuon
 from . import qk_clip as qk_clip_rule
 from .model_state import DMuonState, get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
+from .nonfinite import count_nonfinite
 from .tp import tp_newton_schulz
 
 _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -310,9 +311,9 @@ class Muon(torch.optim.Optimizer):
         in half precision, say): agreed on every rank, TP peers included, before any
         param moves, so every rank skips the same steps. Momentum keeps the (finite)
         gradient it absorbed."""
-        local = torch.zeros((), device=self._state.ctx.device)
-        for _, ortho, _, _ in updates:
-            local += ~ortho.sum().isfinite()
+        local = count_nonfinite(ortho for _, ortho, _, _ in updates)
+        if local is None:
+            local = torch.zeros((), device=self._state.ctx.device)
         if not self._state.reduce.any_rank(local):
             return False
         if not self.nonfinite_ranks:

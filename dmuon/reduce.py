@@ -30,6 +30,7 @@ import torch
 
 from . import comm
 from .buffers import Boundary
+from .nonfinite import is_nonfinite
 
 
 def divide_factors(world: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -128,9 +129,7 @@ class GradientReduce:
         before, _ = divide_factors(self.ctx.shard_size * self.ctx.replicate_size, flat.dtype)
         if before > 1:
             flat.div_(before)
-        # the sum of a gradient is finite exactly when its elements are (no overflow at
-        # gradient scale): one reduction kernel, no host sync
-        self.presence[self.num_units + self.rank] += (~flat.sum().isfinite()).float()
+        self.presence[self.num_units + self.rank] += is_nonfinite(flat).float()
         out = torch.empty(b.column_sizes[ctx.shard_rank], dtype=flat.dtype, device=flat.device)
         with ctx.streams.issuing("reduce") as issued:
             work = comm.reduce_scatter_v(out, flat, b.column_sizes, ctx.reduce_group,

@@ -27,6 +27,7 @@ from .newton_schulz import (
     default_ns_dtype,
     gram_matmuls,
     newton_schulz,
+    norm_floor,
     ns_flops,
     restart_index,
 )
@@ -111,20 +112,20 @@ def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coe
         comm.wait(comm.all_reduce_sum(r, shard.group, ledger, "tp", "step"))
         return r
 
-    X, R = _normalised_shard(local.mT if shard.shard_dim == 0 else local, gram_sum, eps)
+    X, R = _normalised_shard(local.mT if shard.shard_dim == 0 else local, gram_sum)
     out = _gram(X.to(dtype), coefficient_schedule(coefficients, steps), restart, gram_sum,
                 inner=gram_dtype or dtype, first_gram=R)
     return out.mT if shard.shard_dim == 0 else out
 
 
-def _normalised_shard(X: torch.Tensor, gram_sum, eps: float):
+def _normalised_shard(X: torch.Tensor, gram_sum):
     """A wide X whose columns are split over the TP peers, over the whole matrix's
     Frobenius norm, and its first Gram X Xᵀ: the Gram is summed over the peers in fp32
     (fp64 for fp64 input), and ‖X‖² is its trace, so no half-precision step ever holds
     an unnormalised value (fp16 gave NaN at element scale 1e-6 when it did)."""
     X = X.to(torch.float64 if X.dtype == torch.float64 else torch.float32)
     R = gram_sum(X @ X.mT)
-    norm = R.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=eps)
+    norm = R.diagonal(dim1=-2, dim2=-1).sum(-1).sqrt().clamp(min=norm_floor(X.dtype))
     return X / norm, R / (norm * norm)
 
 

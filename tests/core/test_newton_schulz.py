@@ -181,3 +181,26 @@ def test_restart_is_at_iteration_2():
     assert (whole - split).abs().max() <= 1e-12
     assert dmuon.ns_flops((24, 80), 5, "gram", True) == \
         dmuon.ns_flops((24, 80), 2, "gram", False) + dmuon.ns_flops((24, 80), 3, "gram", False)
+
+
+# A momentum far below torch.optim.Muon's eps (1e-7) in norm: global clipping or a tiny
+# lr leaves one (Megatron-LM issue 5394). Normalised by a floor at the dtype's smallest
+# normal, NS reaches the polar factor as at any other scale: the bound is FP16_BOUND's
+# (fp16's, the widest of the three), as the normalised input is the same matrix.
+@pytest.mark.parametrize("backend", ["standard", "gram"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale", [1e-10, 1e-12])
+def test_ns_normalises_a_matrix_whose_norm_is_below_eps(backend, dtype, scale):
+    G = torch.randn(128, 512, generator=torch.Generator().manual_seed(8)) * scale
+    for M in (G, G.mT):
+        unit = M.double() / M.double().norm()  # the same direction at unit norm
+        ref = dmuon.newton_schulz(unit, backend="standard", dtype=torch.float64)
+        out = dmuon.newton_schulz(M, backend=backend, dtype=dtype)
+        assert _relative(out, ref) <= FP16_BOUND, (backend, dtype, scale)
+
+
+@pytest.mark.parametrize("backend", ["standard", "gram"])
+def test_ns_of_zero_is_zero(backend):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = dmuon.newton_schulz(torch.zeros(32, 96), backend=backend, dtype=dtype)
+        assert out.isfinite().all() and not out.any()

@@ -93,3 +93,58 @@ def test_a_nonfinite_update_on_its_owner_is_skipped_on_every_rank():
         assert res["skipped"] == 2 and res["flagged"] == [["update"], ["update"]], rank
         for key, value in res["initial"].items():  # nothing moved: Muon, AdamW alike
             assert torch.equal(res["final"][key], value), (rank, key)
+
+
+# -- fp16: a finite gradient whose sum passes 65,504 is finite ---------------------------
+FP16_ELEMENT = 1.0e3  # 256 elements: the sum is 2.56e5, past fp16's largest finite 65,504
+
+
+class _Fp16Matrix(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def _fp16_steps(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = _Fp16Matrix()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2, mp_policy=policy)
+    opt = dmuon.Muon(model, lr=1e-3, ns_dtype=torch.float32)
+    flagged = []
+    for scale in (FP16_ELEMENT, float("inf")):
+        # d/dW of sum(scale * W x), x all ones: ``scale`` in every element on every rank
+        (model(torch.ones(1, 16, dtype=torch.float16)) * scale).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        flagged.append(list(opt.nonfinite_ranks))
+    return {"flagged": flagged, "skipped": opt.skipped_steps}
+
+
+def test_fp16_finite_gradients_summing_past_65504_are_not_skipped():
+    """Each rank's fp16 gradient is finite with a sum of 2.56e5; the reduced mean is too.
+    Flagged from an fp16 sum, both ranks were named and the step skipped; a real inf in
+    the next step must still skip on every rank."""
+    for rank, result in enumerate(run(_fp16_steps, world_size=2)):
+        assert result["flagged"] == [[], [0, 1]], rank
+        assert result["skipped"] == 1, rank
+
+
+def test_finiteness_flags_sum_wider_than_fp16():
+    from dmuon.nonfinite import count_nonfinite, is_nonfinite
+
+    big = torch.full((64, 64), 6.0e4, dtype=torch.float16)  # every element finite
+    assert big.sum().isinf()  # the fp16 sum the flags used to read
+    assert not is_nonfinite(big) and not is_nonfinite(big.bfloat16())
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        t = big.clone()
+        t[3, 5] = bad
+        assert is_nonfinite(t)
+        assert count_nonfinite([big, t, t.double()]).item() == 2.0
+    assert count_nonfinite([]) is None
