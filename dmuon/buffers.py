@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import comm
+from .cuda_graphs import check_not_capturing
 from .tp import TPShard, tp_shard_of
 
 
@@ -221,12 +222,15 @@ class Boundary:
             self.gather.wait()
             self.gather = None
         for t in self._storages():
-            t.untyped_storage().resize_(0)
+            if t.untyped_storage().nbytes():
+                check_not_capturing(t.device, self.name, "frees")
+                t.untyped_storage().resize_(0)
         self.fresh = False
 
     def _alloc(self) -> None:
         for t in self._storages():
             if t.untyped_storage().nbytes() == 0:
+                check_not_capturing(t.device, self.name, "reallocates")
                 t.untyped_storage().resize_(t.numel() * t.element_size())
 
     # -- parameters in ---------------------------------------------------------------

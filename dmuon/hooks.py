@@ -5,7 +5,8 @@ next boundaries' all-gathers are issued so that they overlap this boundary's com
 Z3 frees the buffer after the forward. Backward (Z3): the first gradient reaching the
 boundary's outputs re-gathers it and prefetches the boundary before it. A function on
 the boundary's inputs marks the end of its backward: gradients are complete, Z3 frees
-the buffer again, and the reduce is handed to the ordered gradient reduce.
+the buffer again, and the reduce is handed to the ordered gradient reduce. A boundary
+without such a function (its inputs need no grad) ends in the end-of-backward callback.
 
 Activation checkpointing re-runs a boundary's forward inside the backward. Then the
 buffer is gathered if needed (ledger phase ``recompute``) and never freed by the
@@ -41,8 +42,6 @@ class BoundaryHooks:
         self.name = boundary.name
         self._checked = False
         self._pending_calls = 0  # forward calls whose backward has not finished
-        self._complete_on_grads = False  # inputs need no grad: the last gradient ends it
-        self._grads_seen: set[int] = set()
         self._open = False  # a forward with grad ran and its backward has not ended here
         self._regathered = False
         self._hooked: set[int] = set()
@@ -100,9 +99,7 @@ class BoundaryHooks:
         idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
         self._open = self._open or torch.is_grad_enabled()
         if not idx or not torch.is_grad_enabled():
-            self._complete_on_grads = torch.is_grad_enabled()
-            return args, kwargs
-        self._complete_on_grads = False
+            return args, kwargs  # no function marks the end: the backward's end does
         self._pending_calls += 1
         marked = _PostBackward.apply(self, *(flat[i] for i in idx))
         for i, t in zip(idx, marked):
@@ -137,9 +134,6 @@ class BoundaryHooks:
         b, state = self.boundary, self.state
         state.reduce.note_gradient(b, param)
         b.accumulate(param)
-        self._grads_seen.add(id(param))
-        if self._complete_on_grads and len(self._grads_seen) == len(b.params):
-            self._complete()
 
     def post_backward(self) -> None:
         self._pending_calls -= 1
@@ -148,17 +142,17 @@ class BoundaryHooks:
             self._complete()
 
     def end_backward(self) -> None:
-        """The backward is over: a boundary it did not end here ends now. Which boundary
-        ends during the backward depends on this rank's data (a boundary whose inputs
-        need no grad ends at its last param's gradient, and a param may get none here),
-        but every rank ends each boundary by the end of the backward: freed in Z3, so
-        the next forward gathers it on every rank alike, and handed to the reduce."""
+        """The backward is over (its end-of-backward callback): a boundary it did not end
+        here ends now. A boundary whose inputs need no grad has no function to mark its
+        end, so it always ends here, on every rank alike, never at a count of gradients
+        that depends on this rank's data: freed in Z3, so the next forward gathers it on
+        every rank alike, and handed to the reduce in the same place of every rank's
+        sequence of collectives."""
         if self._open:
             self._complete()
 
     def _complete(self) -> None:
         self._open = False
-        self._grads_seen.clear()
         if self.state.reshard_after_forward:
             self.boundary.free()
             self.state.trace(f"post_backward:{self.name}")
@@ -168,4 +162,3 @@ class BoundaryHooks:
         """A new forward starts: nothing of the previous backward is pending."""
         self._pending_calls = 0
         self._open = False
-        self._grads_seen.clear()

@@ -118,7 +118,7 @@ class DMuonState:
         self.check_initialised()
         self.check_dedicated()
         check_no_cuda_graphs(((h.name, h.module) for h in self.hooks),
-                             self.reshard_after_forward)
+                             self.reshard_after_forward, self.model())
         for b in self.boundaries:
             b.free()
         self.set_up_checked = True
@@ -159,6 +159,7 @@ class DMuonState:
 
     # -- the root's hooks: where one iteration's backward begins and ends -----------------
     def install_root_hooks(self, model: nn.Module) -> None:
+        @torch.compiler.disable  # collectives and set-up checks: eager under a compile
         def pre_forward(module, args):
             self.before_first_forward()
             if self.in_backward:
@@ -190,7 +191,18 @@ class DMuonState:
             return grad  # another output of the same forward
         self.in_backward = True
         self.reduce.begin_backward()
+        # Boundaries the backward did not end (inputs without grad, a param without a
+        # gradient on this rank) end in one callback when the backward is over, on every
+        # rank, before anything of the next step: ended at the next forward instead,
+        # a rank issued DMuon's reduce after FSDP2's collectives where its peers issued
+        # it before them, and NCCL wants one order across communicators (FSDP2 ends its
+        # own backward the same way)
+        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
         return grad
+
+    def _backward_ends(self) -> None:
+        if self.in_backward:
+            self.end_backward()
 
     def end_backward(self) -> None:
         if self.in_backward:

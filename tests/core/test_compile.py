@@ -122,3 +122,67 @@ def test_cuda_graph_modes_are_refused_under_z3_by_name():
         for msg in refusals.values():
             assert "model.layers.0" in msg and "CUDA graphs" in msg
             assert "reshard_after_forward=False" in msg
+
+
+def _compiled_around_the_boundaries(rank, world):
+    """``reduce-overhead`` applied after ``dedicate_params`` and ``fully_shard``: around
+    each block (the boundary's parent now) and around the whole model (on no module of
+    its tree: the wrapper is found on the call stack)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    refusals = {}
+    for form in ("block", "root"):
+        model, _ = build_dmuon(mesh, True)
+        if form == "block":
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = torch.compile(layer, mode="reduce-overhead")
+            call = model
+        else:
+            call = torch.compile(model, mode="reduce-overhead")
+        try:
+            call(global_batches(1)[0][:1, :-1])
+        except ValueError as e:
+            refusals[form] = str(e)
+    return refusals
+
+
+def test_cuda_graphs_compiled_after_dedicate_params_are_refused_under_z3():
+    for refusals in run(_compiled_around_the_boundaries, world_size=2):
+        assert set(refusals) == {"block", "root"}, refusals
+        assert "model.layers.0" in refusals["block"]
+        for msg in refusals.values():
+            assert "CUDA graphs" in msg and "reshard_after_forward=False" in msg
+
+
+def _gather_while_capturing(rank, world):
+    """The capture check's test double: every stream reads as capturing after a first
+    eager step (warm-up), as under ``torch.cuda.graph`` around a later training step."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon.cuda_graphs
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    errors = {}
+    for z3 in (True, False):
+        model, _ = build_dmuon(mesh, z3)
+        batch = global_batches(1)[0][:1, :-1]
+        model(batch).sum().backward()
+        real, dmuon.cuda_graphs._capturing = dmuon.cuda_graphs._capturing, lambda device: True
+        try:
+            model(batch).sum().backward()
+        except RuntimeError as e:
+            errors[z3] = str(e)
+        finally:
+            dmuon.cuda_graphs._capturing = real
+    return errors
+
+
+def test_a_z3_gather_during_a_cuda_graph_capture_is_refused():
+    """Z3 reallocates on the first gather of the step and is refused there, naming the
+    boundary, the reason and the fix; Z2's storage never moves, so it runs."""
+    for errors in run(_gather_while_capturing, world_size=2):
+        assert set(errors) == {True}, errors
+        msg = errors[True]
+        assert "model.layers.0" in msg and "CUDA graph is being captured" in msg
+        assert "reshard_after_forward=False" in msg

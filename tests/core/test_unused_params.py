@@ -261,3 +261,27 @@ def test_z3_boundary_without_input_grads_and_a_rank_local_unused_param_accumulat
         for key, value in ref.items():
             err = ((full[key] - value).abs().max() / value.abs().max()).item()
             assert err <= 1e-9, (rank, key, err)
+
+
+def _collective_order(rank, world):
+    from _collectives import CollectiveRecorder
+
+    with CollectiveRecorder() as recorder:
+        result = _train_accumulating(rank, world)
+    return result, [(c.op, c.ranks, c.numel) for c in recorder.calls]
+
+
+def test_every_rank_issues_every_collective_in_one_order():
+    """The scenario above, every collective recorded by wrapping torch.distributed:
+    DMuon's and FSDP2's (different communicators). The first block ends without a
+    function on its inputs; where that end depended on the rank's gradients, rank 1 sent
+    DMuon's reduce after FSDP2's collectives and its peers before, which NCCL may hang on
+    (one order across communicators). The same sequence on every rank, same result."""
+    results = run(_collective_order, world_size=WORLD)
+    orders = [order for _, order in results]
+    assert len(orders[0]) > 0
+    for rank, order in enumerate(orders[1:], start=1):
+        assert order == orders[0], rank
+    for rank, (full, _) in enumerate(results[1:], start=1):
+        for key, value in results[0][0].items():
+            assert torch.equal(full[key], value), (rank, key)
