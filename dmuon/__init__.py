@@ -95,7 +95,7 @@ from .model_state import (
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .optim import Muon, adjusted_lr
 from .partition import Assignment, DedicationPlan, PlanMismatch, partition
-from .stats import MEMORY_KINDS, memory_report
+from .stats import MEMORY_KINDS, communicator_report, memory_report
 from .tp_traffic import install_tp_traffic_counters
 
 guard_tensor_parallel()
@@ -117,6 +117,7 @@ __all__ = [
     "DedicationPlan",
     "Ledger",
     "MEMORY_KINDS",
+    "communicator_report",
     "Muon",
     "POLAR_EXPRESS_COEFFICIENTS",
     "PlanMismatch",

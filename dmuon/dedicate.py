@@ -30,32 +30,27 @@ from .partition import (
     model_ep,
     plan_from_shapes,
 )
+from .process_groups import Communicators, mesh_device
 from .reduce import GradientReduce
 from .tp import tp_shard_of
 
 
-def _groups_like(group, copies: int) -> list:
+def _groups_like(group, copies: int, comms: Communicators, name: str) -> list:
     """``copies`` new groups with ``group``'s members. ``new_group`` is collective over
     the world, so every rank creates every row's groups, in one order."""
     mine = tuple(dist.get_process_group_ranks(group))
     rows: list = [None] * dist.get_world_size()
     dist.all_gather_object(rows, mine)
     out = []
-    for _ in range(copies):
+    for copy in range(copies):
         for row in sorted(set(rows)):
-            new = dist.new_group(list(row))
+            new = comms.new_group(row, f"{name}:{copy}")
             if row == mine:
                 out.append(new)
     return out
 
 
-def _mesh_device(mesh) -> torch.device:
-    if mesh.device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(mesh.device_type)
-
-
-def _rank_context(mesh, replicate_mesh, reduce_dtype) -> RankContext:
+def _rank_context(mesh, replicate_mesh, reduce_dtype, comms: Communicators) -> RankContext:
     if mesh.ndim != 1:
         raise ValueError(
             f"dedicate_params got a {mesh.ndim}-D mesh {mesh.mesh_dim_names} without "
@@ -63,11 +58,11 @@ def _rank_context(mesh, replicate_mesh, reduce_dtype) -> RankContext:
         )
     if replicate_mesh is not None and replicate_mesh.ndim != 1:
         raise ValueError("replicate_mesh must be a 1-D mesh (the 'replicate' dim of the HSDP mesh)")
-    device = _mesh_device(mesh)
-    shard_group, reduce_group = _groups_like(mesh.get_group(), 2)
+    device = mesh_device(mesh)
+    shard_group, reduce_group = _groups_like(mesh.get_group(), 2, comms, "shard")
     r = replicate_mesh
-    replicate_group, presence_group = _groups_like(r.get_group(), 2) if r is not None \
-        else (None, None)
+    replicate_group, presence_group = _groups_like(r.get_group(), 2, comms, "replicate") \
+        if r is not None else (None, None)
     return RankContext(
         device, shard_group, reduce_group, mesh.get_local_rank(), mesh.size(),
         replicate_group, presence_group, r.get_local_rank() if r is not None else 0,
@@ -112,15 +107,15 @@ def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
             )
 
 
-def _expert_context(ctx: RankContext, mesh, ep_size: int) -> RankContext:
+def _expert_context(ctx: RankContext, mesh, ep_size: int, comms: Communicators) -> RankContext:
     """The context of expert-parallel boundaries: the expert shard group (two copies, for
     gathers and reduces) in place of the shard group, and the EP group."""
     group = mesh.get_group()
-    gather, reduce = (ep_subgroups(group, ep_size, expert_shard=True) for _ in range(2))
+    gather, reduce = (ep_subgroups(group, ep_size, True, comms) for _ in range(2))
     return dataclasses.replace(
         ctx, shard_group=gather, reduce_group=reduce, shard_rank=ctx.shard_rank // ep_size,
         shard_size=ctx.shard_size // ep_size,
-        ep_group=ep_subgroups(group, ep_size, expert_shard=False))
+        ep_group=ep_subgroups(group, ep_size, False, comms))
 
 
 def _local_shapes(plan: DedicationPlan, params: dict) -> dict[str, torch.Size]:
@@ -281,9 +276,13 @@ def dedicate_params(
     mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
     plan = _plan_to_run(plan, entries, mesh.size(), replicate_mesh.size() if replicate_mesh
                         is not None else 1, model_ep(model, predicate))
-    ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None))
+    comms = Communicators()
+    ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None), comms)
     state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
-    state.expert_ctx = _expert_context(ctx, mesh, plan.ep_size) if plan.ep_size > 1 else None
+    state.expert_ctx = _expert_context(ctx, mesh, plan.ep_size, comms) \
+        if plan.ep_size > 1 else None
+    comms.warm(ctx.device)
+    state.communicators = comms
     state.mp_policy, state.own_mp_policy = mp_policy, mp_policy is not None
     params = dict(model.named_parameters())
     state.needs_init = any(params[f].is_meta for f in plan.param_fqns)

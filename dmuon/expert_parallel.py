@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .partition import EP_ATTR, check_ep
+from .process_groups import Communicators, mesh_device
 
 
 def _rows(group) -> list[tuple[int, ...]]:
@@ -34,9 +35,10 @@ def _rows(group) -> list[tuple[int, ...]]:
     return sorted(set(rows))
 
 
-def ep_subgroups(shard_group, ep_size: int, expert_shard: bool):
+def ep_subgroups(shard_group, ep_size: int, expert_shard: bool, comms):
     """This rank's EP group (``expert_shard=False``) or expert shard group, made for
-    every shard group in one order (``new_group`` is collective over the world)."""
+    every shard group in one order (``new_group`` is collective over the world) through
+    ``comms`` (``process_groups.Communicators``), which warms them at set-up."""
     me, found = dist.get_rank(), None
     for row in _rows(shard_group):
         if expert_shard:
@@ -44,7 +46,7 @@ def ep_subgroups(shard_group, ep_size: int, expert_shard: bool):
         else:
             parts = [row[j:j + ep_size] for j in range(0, len(row), ep_size)]
         for part in parts:
-            group = dist.new_group(list(part))
+            group = comms.new_group(part, "expert_shard" if expert_shard else "ep")
             if me in part:
                 found = group
     return found
@@ -74,7 +76,10 @@ def shard_experts(model: nn.Module, predicate, shard_mesh, ep_size: int):
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
         setattr(module, attr, _local_experts(p, ep_size, ep))
-    return ep_subgroups(shard_mesh.get_group(), ep_size, expert_shard=False)
+    comms = Communicators()  # the dispatch's all-to-all group, warmed here
+    group = ep_subgroups(shard_mesh.get_group(), ep_size, False, comms)
+    comms.warm(mesh_device(shard_mesh))
+    return group
 
 
 def gather_experts(local: torch.Tensor, ep_group) -> torch.Tensor:

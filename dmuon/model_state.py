@@ -69,6 +69,7 @@ class DMuonState:
         self.memory_trace: list[tuple[str, int]] | None = None
         self.model = lambda: None  # a weak reference to the dedicated model, once attached
         self.set_up_checked = False  # before_first_forward ran
+        self.communicators = None  # DMuon's own groups (process_groups.Communicators)
 
     @property
     def ledger(self) -> comm.Ledger:

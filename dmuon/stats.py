@@ -41,3 +41,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
                 kind = "momentum" if muon else "adamw_state"
                 report[kind] += _local_nbytes(value)
     return report
+
+
+def communicator_report(model: nn.Module) -> dict:
+    """DMuon's own process groups on this rank (``count``, ``groups`` as (name, ranks))
+    and their device memory at ``process_groups.COMMUNICATOR_BYTES`` each under NCCL
+    (``estimated_bytes``): no tensor holds it, so ``memory_report`` cannot see it."""
+    return get_state(model).communicators.report()

@@ -36,6 +36,17 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def bind_device(dev: torch.device) -> None:
+    """On CUDA, connect the world's NCCL communicator now, on this worker's own device.
+    Ray Train's TorchConfig calls ``init_process_group`` without ``device_id`` (ray
+    2.60's ``_setup_torch_process_group``), so NCCL would initialise lazily at the first
+    collective, on whatever device is current then; a barrier naming the device is the
+    same eager connection ``device_id`` makes. Before it, ``all_gather_object`` on NCCL
+    would run on cuda:0 on every worker of a host."""
+    if dev.type == "cuda":
+        dist.barrier(device_ids=[dev.index])
+
+
 def tp_groups(rows: list[list[int]], tp: int, node_ids: list[str]) -> torch.Tensor:
     """The (replicate, shard, tp) grid: each row's ranks in groups of ``tp``, each group
     on one node (its activation collectives run over the node's NVLink, never between
@@ -52,6 +63,7 @@ def build_mesh(replicate: int, shard: int, tp: int = 1) -> tuple[DeviceMesh, lis
     """The (replicate, shard) mesh, or (replicate, shard, tp) with ``tp > 1``."""
     import ray
 
+    bind_device(device())
     node_ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
     rows = mesh_rows(node_ids, replicate, shard * tp)

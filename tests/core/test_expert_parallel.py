@@ -384,3 +384,33 @@ def test_a_planner_partitions_the_whole_meta_model_as_the_ranks_did():
     for res in trained("ep2x2"):
         assert plan.to_dict() == res["plan"]
     assert dmuon.partition(model, **kwargs).ep_size == 1
+
+
+def _warmed_groups(rank, world, layout_id):
+    from _collectives import CollectiveRecorder
+
+    with CollectiveRecorder() as recorder:
+        _, model = _setup(LAYOUTS[layout_id])
+    warmed = [c.ranks for c in recorder.calls if c.op == "all_reduce" and c.numel == 1]
+    return warmed, dmuon.communicator_report(model)
+
+
+@pytest.mark.parametrize("layout_id", ["hsdp2x2_ep2", "ep4"])
+def test_every_group_dmuon_makes_is_warmed_at_set_up_in_one_order(layout_id):
+    """Each group DMuon makes (the EP dispatch group, the shard and replicate copies, the
+    expert shard copies and the EP group) gets one tiny all-reduce at set-up, on each of
+    its members, in creation order: the same order of names on every rank, and the count
+    the planner's formula gives."""
+    from dmuon.process_groups import COMMUNICATOR_BYTES, communicators_per_rank
+
+    R, N, P, _ = LAYOUTS[layout_id]
+    results = run(_warmed_groups, layout_id, world_size=4)
+    names = [[n for n, _ in report["groups"]] for _, report in results]
+    for rank, (warmed, report) in enumerate(results):
+        assert rank in warmed[0] and len(warmed[0]) == P, rank  # the dispatch group first
+        assert warmed[1:] == [tuple(r) for _, r in report["groups"]], rank
+        assert all(rank in ranks for ranks in warmed), rank
+        assert report["count"] == communicators_per_rank(R, P), rank
+        assert report["estimated_bytes"] == report["count"] * COMMUNICATOR_BYTES
+        assert names[rank] == names[0], rank
+    assert names[0][:2] == ["shard:0", "shard:1"] and names[0][-1] == "ep"
