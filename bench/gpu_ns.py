@@ -2,7 +2,7 @@
 
 Each backend in fp16, bf16 and fp32 against the same backend in float64
 (``dmuon.newton_schulz(G, dtype=torch.float64)``: the iteration is the same, so what is
-left is rounding, underflow and overflow), at element scales from 1e-8 (a momentum-averaged
+left is rounding, underflow and overflow), at element scales from 1e-12 (a momentum-averaged
 gradient of a large matrix sits at 1e-5 to 1e-7 per element) to 1e3. The error is the
 relative Frobenius distance ‖O - O₆₄‖ / ‖O₆₄‖; an output of zeros scores 1.
 """
@@ -13,7 +13,8 @@ import torch
 
 import dmuon
 
-SCALES = (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e3)
+# 1e-12 and 1e-10: a momentum whose norm is below torch.optim.Muon's eps (issue 50)
+SCALES = (1e-12, 1e-10, 1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e3)
 BACKENDS = ("standard", "gram")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Rectangular, wide and tall: a projection of a small model and a Llama-like k/v
