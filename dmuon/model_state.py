@@ -234,6 +234,19 @@ class DMuonState:
         for b in self.boundaries:
             b.set_param_dtype(policy.param_dtype or b.master_dtype)
 
+    # -- the optimizer's view: what every rank agrees on at the step ---------------------
+    def agree(self, flag: torch.Tensor) -> bool:
+        """Whether ``flag`` is set on any rank of the layout (every rank calls it)."""
+        return self.reduce.agreement.any_rank(flag)
+
+    def nonfinite_ranks(self) -> list:
+        """The ranks (or ["fsdp2"]) whose gradients this step were not finite, known once
+        the first boundary has landed."""
+        return self.reduce.agreement.nonfinite or []
+
+    def data_parallel_groups(self) -> list[tuple]:
+        return self.reduce.agreement.data_parallel_groups()
+
     def finish_gradient_sync(self) -> None:
         """Every gradient reduced and landed on its owner (clipping)."""
         for _ in self.landing_order():

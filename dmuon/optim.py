@@ -284,7 +284,7 @@ class Muon(torch.optim.Optimizer):
         """After the update, before the post-step broadcast carries the rows: the max
         logits reduced over the data-parallel groups (under TP each rank holds its own
         heads), the owned q/k rows of heads over tau scaled."""
-        self._qk_clip.clip(self._state.reduce.data_parallel_groups(), self.ledger, skip,
+        self._qk_clip.clip(self._state.data_parallel_groups(), self.ledger, skip,
                            tp_group=self._state.ctx.tp_group)
         self.max_logit, self.clipped_heads = self._qk_clip.max_logit, \
             self._qk_clip.clipped_heads
@@ -296,7 +296,7 @@ class Muon(torch.optim.Optimizer):
         self.nonfinite_ranks = []
         for i, b in enumerate(self._state.landing_order()):
             if i == 0:  # the first landing waited for the flags every rank shares
-                self.nonfinite_ranks = self._state.reduce.nonfinite or []
+                self.nonfinite_ranks = self._state.nonfinite_ranks()
                 skip = self.skip_nonfinite and bool(self.nonfinite_ranks)
             if skip:
                 continue
@@ -314,7 +314,7 @@ class Muon(torch.optim.Optimizer):
         local = count_nonfinite(ortho for _, ortho, _, _ in updates)
         if local is None:
             local = torch.zeros((), device=self._state.ctx.device)
-        if not self._state.reduce.any_rank(local):
+        if not self._state.agree(local):
             return False
         if not self.nonfinite_ranks:
             self.nonfinite_ranks = ["update"]

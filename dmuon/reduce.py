@@ -10,16 +10,8 @@ Under NCCL a rank-local decision to skip one would hang the job.
 
 Each backward's reduced gradient is added into the owner's master ``.grad``, so
 repeated backward passes accumulate as with FSDP2; ``no_sync`` instead keeps summing
-locally and reduces once. Whether any rank produced a gradient for a unit travels in one
-small all-reduce per step: a matrix no rank touched keeps ``grad = None`` and the
-optimizer skips it, as FSDP2 and ``torch.optim`` do for their own params.
-
-The same all-reduce carries one flag per rank, set when a gradient this rank reduced
-was not finite (its NaN or inf would reach every owner), and one for FSDP2's reduced
-shards: every rank learns the same set of ranks, so every rank skips the same steps.
-The flags are summed over every group the step's collectives use, TP included: TP peers
-hold different shards of a matrix (one may see a NaN or a gradient the other does not),
-and a peer that skipped while the other all-reduced its Gram would hang NCCL.
+locally and reduces once. What every rank must agree on at the step (which units got a
+gradient anywhere, which ranks saw a non-finite one) is ``step_agreement``'s.
 """
 
 from __future__ import annotations
@@ -30,7 +22,7 @@ import torch
 
 from . import comm
 from .buffers import Boundary
-from .nonfinite import is_nonfinite
+from .step_agreement import StepAgreement
 
 
 def divide_factors(world: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -61,25 +53,17 @@ class GradientReduce:
         self.ctx = ctx
         self.order = list(reversed(boundaries))  # backward order, identical on every rank
         self.sync = True
-        self.num_units = num_units
-        self.rank = ctx.replicate_rank * ctx.shard_size + ctx.shard_rank
-        world = ctx.shard_size * ctx.replicate_size
-        # per unit: a gradient somewhere; per rank: a non-finite local gradient; last:
-        # a non-finite FSDP2 shard
-        self.presence = torch.zeros(num_units + world + 1, dtype=torch.float32,
-                                    device=ctx.device)
-        self.nonfinite: list | None = None  # this step's flagged ranks, once known
+        self.agreement = StepAgreement(ctx, num_units)
         self._ready: set[int] = set()
         self._next = 0
         self._in_flight: list[InFlight] = []
         self.backward_open = False  # a backward ran since the last flush
         self._backward_syncs = True  # `sync` as it was when that backward began
         self._finished = True  # no gradient arrived since the last step closed
-        self._presence = self._presence_work = self._present_units = None
 
     def begin_backward(self) -> None:
         if self._finished:  # the first backward since the last step: a new step's flags
-            self.nonfinite = None
+            self.agreement.nonfinite = None
         self.backward_open = True
         self._backward_syncs = self.sync
 
@@ -88,7 +72,7 @@ class GradientReduce:
         self._finished = False
         for m in boundary.members:
             if m.param is param:
-                self.presence[m.index] = 1.0
+                self.agreement.note_gradient(m.index)
 
     def boundary_done(self, boundary: Boundary) -> None:
         """``boundary``'s backward is over on this rank. Its reduce goes out when the
@@ -129,7 +113,7 @@ class GradientReduce:
         before, _ = divide_factors(self.ctx.shard_size * self.ctx.replicate_size, flat.dtype)
         if before > 1:
             flat.div_(before)
-        self.presence[self.num_units + self.rank] += is_nonfinite(flat).float()
+        self.agreement.check_reduced(flat)
         out = torch.empty(b.column_sizes[ctx.shard_rank], dtype=flat.dtype, device=flat.device)
         with ctx.streams.issuing("reduce") as issued:
             work = comm.reduce_scatter_v(out, flat, b.column_sizes, ctx.reduce_group,
@@ -162,54 +146,11 @@ class GradientReduce:
 
     # -- at the step -----------------------------------------------------------------
     def prepare_step(self, fsdp2_nonfinite: torch.Tensor | None = None) -> None:
-        """The backward is over: every reduce issued, and the presence of gradients on
-        its way (on groups no reduce is queued on, so it does not wait for them), with
-        whether FSDP2's reduced shards here hold a non-finite value."""
+        """The backward is over: every reduce issued, and the step's agreement on its
+        way, with whether FSDP2's reduced shards here hold a non-finite value."""
         self.end_backward()
-        if self._finished or self._presence is not None:
-            return
-        if fsdp2_nonfinite is not None:
-            self.presence[-1] += fsdp2_nonfinite
-        self._presence = self._agreement_groups()
-        group, dim = self._presence[0]
-        self._presence_work = comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim,
-                                                  "step")
-
-    def data_parallel_groups(self) -> list[tuple]:
-        """``(group, dim)``: shard, then replicate where it has peers; reductions over
-        them, one after the other, reach every data-parallel rank."""
-        ctx = self.ctx
-        groups = [(ctx.shard_group, "shard")]
-        if ctx.replicate_size > 1:
-            groups.append((ctx.presence_group, "replicate"))
-        return groups
-
-    def _agreement_groups(self) -> list[tuple]:
-        """The data-parallel groups and TP where it has peers: every rank of the layout."""
-        tp = self.ctx.tp_group
-        return self.data_parallel_groups() + ([(tp, "tp")] if tp is not None else [])
-
-    def any_rank(self, flag: torch.Tensor) -> bool:
-        """Whether ``flag`` (one float, nonzero: set) is set on any rank of the layout;
-        every rank calls it."""
-        total = flag.reshape(1).float()
-        for group, dim in self._agreement_groups():
-            comm.wait(comm.all_reduce_sum(total, group, self.ctx.ledger, dim, "step"))
-        return bool(total.item())
-
-    def _present(self) -> list:
-        """Which units got a gradient on any rank this step (waited for once)."""
-        if self._present_units is None:
-            comm.wait(self._presence_work)
-            for group, dim in self._presence[1:]:
-                comm.wait(comm.all_reduce_sum(self.presence, group, self.ctx.ledger, dim,
-                                              "step"))
-            self._present_units = self.presence.tolist()
-            world = len(self._present_units) - self.num_units - 1
-            flags = self._present_units[self.num_units:]
-            self.nonfinite = [r for r in range(world) if flags[r]] or \
-                (["fsdp2"] if flags[-1] else [])
-        return self._present_units
+        if not (self._finished or self.agreement.issued):
+            self.agreement.issue(fsdp2_nonfinite)
 
     def land(self, b: Boundary) -> None:
         """Wait for ``b``'s reduces, add its owned part into the masters' ``.grad``; a
@@ -232,7 +173,7 @@ class GradientReduce:
                 item.owned.wait()
                 b.land(item.owned_out, after)
             self._in_flight.remove(item)
-        present = self._present()
+        present = self.agreement.present()
         for m in b.owned:
             if not present[m.index] and m.fqn not in retained:
                 b.masters[m.fqn].grad = None
@@ -249,14 +190,13 @@ class GradientReduce:
             if item.owned is not None:
                 item.owned.wait()
         self._in_flight.clear()
-        if self._presence is not None:
-            self._present()
+        if self.agreement.issued:
+            self.agreement.present()
         self.close_step()
-        self.nonfinite = None
+        self.agreement.nonfinite = None
 
     def close_step(self) -> None:
-        # ``nonfinite`` outlives the landing: clipping lands the gradients before the
-        # step that decides on them; the next step's first backward clears it
-        if not self._finished:
-            self.presence.zero_()
-        self._finished, self._presence, self._present_units = True, None, None
+        # the flagged ranks outlive the landing: clipping lands the gradients before the
+        # step that decides on them; the next step's first backward clears them
+        self.agreement.close(touched=not self._finished)
+        self._finished = True

@@ -131,7 +131,7 @@ def _train(rank, world, kind, layout, z3):
         dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
     dmuon.fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=z3)
     opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
-    sequence, idle, presence = [], 0, dmuon.get_state(model).reduce.presence
+    sequence, idle, presence = [], 0, dmuon.get_state(model).reduce.agreement.presence
     with CollectiveRecorder() as rec:
         for step, batch in enumerate(batches(kind)):
             model.skip_last = skips(kind, step)
