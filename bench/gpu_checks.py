@@ -187,8 +187,8 @@ def memory_check(device: torch.device, tiny: bool) -> dict:
         return dmuon.memory_report(model, opt)["packed_buffers"], allocated
 
     before = now()
-    boundary.start_gather("forward")
-    boundary.wait_gather()
+    boundary.transfer.start_gather("forward")
+    boundary.transfer.wait_gather()
     gathered = now()
     boundary.free()
     freed = now()

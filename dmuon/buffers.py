@@ -1,5 +1,6 @@
-"""One hook boundary's packed buffer, the column values behind it, the owners' masters,
-and the boundary's gradient buffer.
+"""One hook boundary's packed buffer, the column values behind it and the owners'
+masters: its storage. What moves them is ``boundary_transfer``'s, its gradients
+``boundary_grads``'.
 
 Layout. The boundary's Muon-target units (matrices, or slices of experts of a 3-D
 param) are laid out in one flat buffer ordered by owner: shard column first, then
@@ -25,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import comm
+from .boundary_grads import BoundaryGradients
+from .boundary_transfer import BoundaryTransfer
 from .cuda_graphs import check_not_capturing
 from .tp import TPShard, tp_shard_of
 
@@ -104,10 +106,8 @@ class Boundary:
         self.owned_offset = sum(self.replica_sizes[:r])
         self.direct = _columns_in_expert_order(members)
         self._allocate(ctx.device)
-        self.fresh = False  # the packed buffer holds the owners' current values
-        self.gather: comm.Pending | None = None
-        self.replicate: comm.Pending | None = None
-        self.grad_flat: torch.Tensor | None = None
+        self.transfer = BoundaryTransfer(self)
+        self.grads = BoundaryGradients(self)
 
     # -- storage ---------------------------------------------------------------------
     def _allocate(self, device) -> None:
@@ -125,14 +125,14 @@ class Boundary:
         self.masters: dict[str, nn.Parameter] = {}
         for m in self.owned:
             if self.master_dtype == self.param_dtype:
-                self.masters[m.fqn] = nn.Parameter(self._column_view(m))
+                self.masters[m.fqn] = nn.Parameter(self.column_view(m))
             else:
                 self.masters[m.fqn] = nn.Parameter(empty(m.shape, self.master_dtype))
 
     @torch.no_grad()
     def load_value(self, m: Member, value: torch.Tensor) -> None:
         """A column unit's value: into the column values, and the master if owned."""
-        self._column_view(m).copy_(value)
+        self.column_view(m).copy_(value)
         if m.fqn in self.masters:
             self.masters[m.fqn].copy_(value)
 
@@ -167,14 +167,14 @@ class Boundary:
         """The module's tensors are still meta (until ``dmuon.materialize``)."""
         return any(m.module_tensor().is_meta for m in self.members)
 
-    def _column_view(self, m: Member) -> torch.Tensor:
+    def column_view(self, m: Member) -> torch.Tensor:
         lo = m.offset - self.column_offset
         return self.column_values[lo:lo + m.numel].view(m.shape)
 
     def bind_views(self) -> None:
         """Point the module's tensors at the packed buffer (3-D params: their base).
         Views of a freed storage cannot be made: the caller frees afterwards."""
-        self._alloc()
+        self.alloc()
         for m in self.members:
             if m.experts:
                 m.param.data = self.expert_bases[id(m.param)]
@@ -199,7 +199,7 @@ class Boundary:
                     "or model.to_empty; materialise with dmuon.materialize, and apply TP "
                     "first, then dedicate_params, then fully_shard)")
 
-    def _storages(self):
+    def storages(self):
         return [self.packed, *self.expert_bases.values()]
 
     @property
@@ -207,7 +207,7 @@ class Boundary:
         return self.packed.untyped_storage().nbytes() > 0
 
     def live_bytes(self) -> int:
-        return sum(t.untyped_storage().nbytes() for t in self._storages())
+        return sum(t.untyped_storage().nbytes() for t in self.storages())
 
     def resident_bytes(self) -> int:
         """Column values, plus masters kept apart from them (mixed precision)."""
@@ -218,69 +218,18 @@ class Boundary:
     def free(self) -> None:
         """Release the packed storage, once no side stream may still write it: an
         all-gather in flight (a prefetch that did not run) is waited for first."""
-        if self.gather is not None:
-            self.gather.wait()
-            self.gather = None
-        for t in self._storages():
+        self.transfer.settle()
+        for t in self.storages():
             if t.untyped_storage().nbytes():
                 check_not_capturing(t.device, self.name, "frees")
                 t.untyped_storage().resize_(0)
-        self.fresh = False
+        self.transfer.fresh = False
 
-    def _alloc(self) -> None:
-        for t in self._storages():
+    def alloc(self) -> None:
+        for t in self.storages():
             if t.untyped_storage().nbytes() == 0:
                 check_not_capturing(t.device, self.name, "reallocates")
                 t.untyped_storage().resize_(t.numel() * t.element_size())
-
-    # -- parameters in ---------------------------------------------------------------
-    def start_gather(self, phase: str) -> None:
-        """Issue the all-gather that fills the packed buffer from the shard columns."""
-        if self.gather is not None or self.fresh:
-            return
-        self._alloc()
-        ctx = self.ctx
-        with ctx.streams.issuing("gather") as issued:
-            # HSDP: this reads the column values the async replicate all-gather writes.
-            # Waited for here, on CUDA only the gather stream waits: a prefetch issued in
-            # boundary k's pre-forward must not hold k's compute until k+1's replicate lands
-            self.wait_replicate()
-            sent = [self.column_values]
-            if self.direct:
-                work = self._gather_experts(phase, sent)
-            else:
-                work = comm.all_gather_v(self.packed, self.column_sizes, self.column_values,
-                                         ctx.shard_group, ctx.ledger, "shard", phase)
-        self.gather = comm.Pending(work, *self._storages(), *sent, issued=issued)
-
-    def _gather_experts(self, phase: str, sent: list):
-        """One all-gather per param, each column's experts straight into their place
-        (``sent`` keeps what they read alive until they are waited for)."""
-        ctx, works = self.ctx, []
-        for p in self.params:
-            parts = [m for m in self.members if m.param is p]
-            sizes = [sum(m.numel for m in parts if m.owner[1] == c)
-                     for c in range(ctx.shard_size)]
-            views = [self._column_view(m).reshape(-1) for m in parts if m in self.column]
-            mine = views[0] if len(views) == 1 else torch.cat(views) if views else \
-                self.column_values[:0]
-            sent.append(mine)
-            works.append(comm.all_gather_v(self.expert_bases[id(p)].view(-1), sizes, mine,
-                                           ctx.shard_group, ctx.ledger, "shard", phase))
-        return comm.all_of(works)
-
-    @torch.no_grad()
-    def wait_gather(self) -> None:
-        if self.gather is None:
-            return
-        self.gather.wait()
-        self.gather = None
-        for m in self.members if not self.direct else ():
-            if m.experts:
-                base = self.expert_bases[id(m.param)]
-                base[m.experts[0]:m.experts[1]].copy_(
-                    self.packed[m.offset:m.offset + m.numel].view(m.shape))
-        self.fresh = True
 
     # -- owner's values out ----------------------------------------------------------
     @torch.no_grad()
@@ -289,73 +238,5 @@ class Boundary:
         if self.master_dtype == self.param_dtype:
             return  # the masters are views into the column values
         for m in self.owned:
-            self._column_view(m).copy_(self.masters[m.fqn])
-        self.fresh = False
-
-    def start_replicate(self) -> None:
-        """HSDP: every replica of the column gets the owners' new values."""
-        ctx = self.ctx
-        self.wait_replicate()
-        self.fresh = False
-        if ctx.replicate_size == 1 or not self.column:
-            return
-        mine = self.column_values[self.owned_offset:
-                                  self.owned_offset + self.replica_sizes[ctx.replicate_rank]]
-        with ctx.streams.issuing("gather") as issued:
-            work = comm.all_gather_v(self.column_values, self.replica_sizes, mine,
-                                     ctx.replicate_group, ctx.ledger, "replicate", "replicate")
-        self.replicate = comm.Pending(work, self.column_values, issued=issued)
-
-    def wait_replicate(self) -> None:
-        if self.replicate is not None:
-            self.replicate.wait()
-            self.replicate = None
-
-    # -- gradients -------------------------------------------------------------------
-    @torch.no_grad()
-    def accumulate(self, param: nn.Parameter) -> None:
-        """Add ``param``'s gradient into the boundary's gradient buffer, in
-        ``reduce_dtype``, and release it (accumulation across backward passes, with or
-        without ``no_sync``, sums here)."""
-        grad = param.grad
-        if grad is None:
-            return
-        if self.grad_flat is None:
-            self.grad_flat = torch.zeros(self.numel, dtype=self.reduce_dtype,
-                                         device=self.packed.device)
-        for m in self.members:
-            if m.param is param:
-                part = self.grad_flat[m.offset:m.offset + m.numel]
-                part.add_(m.grad_part(grad).reshape(-1))
-        param.grad = None
-
-    def take_gradient(self) -> torch.Tensor:
-        """This backward's summed local gradient (zeros where none landed)."""
-        flat, self.grad_flat = self.grad_flat, None
-        if flat is None:
-            flat = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.packed.device)
-        return flat
-
-    @torch.no_grad()
-    def discard_gradients(self, set_to_none: bool) -> None:
-        """Forget the gradients accumulated here and on the masters (``zero_grad``)."""
-        self.grad_flat = None
-        for master in self.masters.values():
-            if set_to_none:
-                master.grad = None
-            elif master.grad is not None:
-                master.grad.zero_()
-
-    @torch.no_grad()
-    def land(self, owned_flat: torch.Tensor, divisor: int) -> None:
-        """Add the averaged gradient of the owned units into the masters' ``.grad``."""
-        owned_flat.div_(divisor)
-        lo = 0
-        for m in self.owned:
-            g = owned_flat[lo:lo + m.numel].view(m.shape)
-            lo += m.numel
-            master = self.masters[m.fqn]
-            if master.grad is None:
-                master.grad = g.to(master.dtype) if g.dtype != master.dtype else g
-            else:
-                master.grad.add_(g)
+            self.column_view(m).copy_(self.masters[m.fqn])
+        self.transfer.fresh = False

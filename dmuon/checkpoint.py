@@ -171,8 +171,8 @@ def load_groups(optimizer, saved_groups: list[dict]) -> None:
 def _republish(model: nn.Module) -> None:
     for b in get_state(model).boundaries:  # the owners' loaded values reach their replicas
         b.publish()
-        b.start_replicate()
-        b.wait_replicate()
+        b.transfer.start_replicate()
+        b.transfer.wait_replicate()
 
 
 def load_model_share(model: nn.Module, model_sd: dict) -> None:

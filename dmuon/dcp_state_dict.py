@@ -165,7 +165,7 @@ def _load_full(model: nn.Module, sd: dict, form: _Form) -> _IncompatibleKeys:
         elif key in targets:
             targets[key].copy_(full)
     for b in state.boundaries:
-        b.fresh = False  # the packed buffers gather the loaded values next
+        b.transfer.fresh = False  # the packed buffers gather the loaded values next
     return _IncompatibleKeys(missing, unexpected)
 
 

@@ -70,10 +70,10 @@ class BoundaryHooks:
         if not recompute:
             self._regathered = False
         state.before_first_forward()
-        b.start_gather("recompute" if recompute else "forward")
+        b.transfer.start_gather("recompute" if recompute else "forward")
         if not recompute:
             state.prefetch(self, forward=True)
-        b.wait_gather()
+        b.transfer.wait_gather()
         if not self._checked:
             b.check_views()
             self._follow_fsdp2_post_forward()
@@ -124,16 +124,16 @@ class BoundaryHooks:
             self._regathered = True
             self.state.reduce.flush()
             b = self.boundary
-            b.start_gather("backward")
+            b.transfer.start_gather("backward")
             self.state.prefetch(self, forward=False)
-            b.wait_gather()
+            b.transfer.wait_gather()
             self.state.trace(f"backward:{self.name}")
         return grad
 
     def _on_gradient(self, param) -> None:
         b, state = self.boundary, self.state
         state.reduce.note_gradient(b, param)
-        b.accumulate(param)
+        b.grads.accumulate(param)
 
     def post_backward(self) -> None:
         self._pending_calls -= 1

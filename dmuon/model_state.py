@@ -156,7 +156,7 @@ class DMuonState:
         ``order``."""
         for k in range(1, self.prefetch_depth + 1):
             if 0 <= i + k < len(order):
-                order[i + k].start_gather("forward" if forward else "backward")
+                order[i + k].transfer.start_gather("forward" if forward else "backward")
 
     # -- the root's hooks: where one iteration's backward begins and ends -----------------
     def install_root_hooks(self, model: nn.Module) -> None:
@@ -270,7 +270,7 @@ class DMuonState:
             self.end_backward()
         self.reduce.discard()
         for b in self.boundaries:
-            b.discard_gradients(set_to_none)
+            b.grads.discard(set_to_none)
         model = self.model()
         if model is not None:
             _drop_fsdp2_unreduced_gradients(model)
@@ -288,18 +288,18 @@ class DMuonState:
 
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:
-            b.wait_gather()
+            b.transfer.wait_gather()
             if self.reshard_after_forward:
                 b.free()  # a prefetched boundary that did not run this iteration
             b.publish()
-            b.start_replicate()
+            b.transfer.start_replicate()
         if not replicate_async:
             self.drain()
 
     def drain(self) -> None:
         """Wait for pending replicate all-gathers (before anything reads column values)."""
         for b in self.boundaries:
-            b.wait_replicate()
+            b.transfer.wait_replicate()
 
 
 def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:

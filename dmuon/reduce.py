@@ -108,7 +108,7 @@ class GradientReduce:
     def _issue(self, b: Boundary) -> None:
         # the boundary's groups (an expert-parallel one's: the expert shard group), the
         # divisor the whole data-parallel world's: every rank's tokens reached its experts
-        ctx, flat = b.ctx, b.take_gradient()
+        ctx, flat = b.ctx, b.grads.take()
         self._finished = False
         before, _ = divide_factors(self.ctx.shard_size * self.ctx.replicate_size, flat.dtype)
         if before > 1:
@@ -168,10 +168,10 @@ class GradientReduce:
             item.column.wait()
             _, after = divide_factors(world, item.column_out.dtype)
             if self.ctx.replicate_size == 1:
-                b.land(item.column_out, after)
+                b.grads.land(item.column_out, after)
             elif item.owned is not None:
                 item.owned.wait()
-                b.land(item.owned_out, after)
+                b.grads.land(item.owned_out, after)
             self._in_flight.remove(item)
         present = self.agreement.present()
         for m in b.owned:

@@ -64,9 +64,9 @@ def _replicate_waits(events):
     made in: ``"gather"`` inside ``Streams.issuing("gather")`` (on CUDA the gather stream
     waits), None outside it (on CUDA the compute stream would wait)."""
     from dmuon import comm
-    from dmuon.buffers import Boundary
+    from dmuon.boundary_transfer import BoundaryTransfer
 
-    issuing, wait = comm.Streams.issuing, Boundary.wait_replicate
+    issuing, wait = comm.Streams.issuing, BoundaryTransfer.wait_replicate
     where = [None]
 
     @contextlib.contextmanager
@@ -78,16 +78,16 @@ def _replicate_waits(events):
         finally:
             where[0] = outer
 
-    def tracked_wait(boundary):
-        if boundary.replicate is not None:
-            events.append(("wait_replicate", boundary.name, where[0]))
-        return wait(boundary)
+    def tracked_wait(transfer):
+        if transfer.replicate is not None:
+            events.append(("wait_replicate", transfer.boundary.name, where[0]))
+        return wait(transfer)
 
-    comm.Streams.issuing, Boundary.wait_replicate = tracked_issuing, tracked_wait
+    comm.Streams.issuing, BoundaryTransfer.wait_replicate = tracked_issuing, tracked_wait
     try:
         yield
     finally:
-        comm.Streams.issuing, Boundary.wait_replicate = issuing, wait
+        comm.Streams.issuing, BoundaryTransfer.wait_replicate = issuing, wait
 
 
 def _train(rank, world, layout):

@@ -223,8 +223,8 @@ def _user_groups(model) -> dict:
 
 def _replicas(state) -> dict:
     """What the replicate waits claim: none pending, and this rank's column values."""
-    return {"pending": [b.replicate is not None for b in state.boundaries],
-            "column": {m.fqn: b._column_view(m).clone() for b in state.boundaries
+    return {"pending": [b.transfer.replicate is not None for b in state.boundaries],
+            "column": {m.fqn: b.column_view(m).clone() for b in state.boundaries
                        for m in b.column},
             "masters": {fqn: t.detach().clone() for fqn, t in state.owned_params.items()}}
 
@@ -251,7 +251,7 @@ def _qwen2_train(rank, world):
         opt.step()
         opt.zero_grad()
         if step in waits:
-            before = [b.replicate is not None for b in state.boundaries]
+            before = [b.transfer.replicate is not None for b in state.boundaries]
             waits[step](model)
             out["waits"][step] = {"before": before, **_replicas(state)}
     out["full"] = dmuon.full_state_dict(model)

@@ -24,6 +24,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon
 from dmuon import comm
+from dmuon.boundary_grads import BoundaryGradients
+from dmuon.boundary_transfer import BoundaryTransfer
 from dmuon.buffers import Boundary
 from dmuon.reduce import GradientReduce
 from dmuon.testing import run
@@ -64,9 +66,9 @@ class RecordingStreams(comm.Streams):
 @contextlib.contextmanager
 def _tagged(streams: RecordingStreams):
     """Tag every handle with the boundary being served: gathers and replicates by
-    ``Boundary``'s methods, reduces by ``GradientReduce._issue``."""
-    saved = {(Boundary, "start_gather"): Boundary.start_gather,
-             (Boundary, "start_replicate"): Boundary.start_replicate,
+    ``BoundaryTransfer``'s methods, reduces by ``GradientReduce._issue``."""
+    saved = {(BoundaryTransfer, "start_gather"): BoundaryTransfer.start_gather,
+             (BoundaryTransfer, "start_replicate"): BoundaryTransfer.start_replicate,
              (GradientReduce, "_issue"): GradientReduce._issue}
 
     def serving(fn, which):
@@ -80,8 +82,10 @@ def _tagged(streams: RecordingStreams):
                 streams.current = outer
         return wrapper
 
-    Boundary.start_gather = serving(Boundary.start_gather, lambda s, a: s)
-    Boundary.start_replicate = serving(Boundary.start_replicate, lambda s, a: s)
+    BoundaryTransfer.start_gather = serving(BoundaryTransfer.start_gather,
+                                            lambda s, a: s.boundary)
+    BoundaryTransfer.start_replicate = serving(BoundaryTransfer.start_replicate,
+                                               lambda s, a: s.boundary)
     GradientReduce._issue = serving(GradientReduce._issue, lambda s, a: a[0])
     try:
         yield
@@ -93,7 +97,7 @@ def _tagged(streams: RecordingStreams):
 @contextlib.contextmanager
 def _consumers(streams: RecordingStreams, model, violations: list):
     """Check at each consumer that the handles it depends on were waited for."""
-    free, land = Boundary.free, Boundary.land
+    free, land = Boundary.free, BoundaryGradients.land
 
     def checked_free(self):
         violations.extend(("free", self.name, k) for k in streams.unwaited(self.name,
@@ -101,8 +105,8 @@ def _consumers(streams: RecordingStreams, model, violations: list):
         return free(self)
 
     def checked_land(self, owned_flat, divisor):
-        violations.extend(("land", self.name, k) for k in streams.unwaited(self.name,
-                                                                           ("reduce",)))
+        name = self.boundary.name
+        violations.extend(("land", name, k) for k in streams.unwaited(name, ("reduce",)))
         return land(self, owned_flat, divisor)
 
     def before_compute(module, args):  # runs after DMuon's pre-hook: the block computes next
@@ -111,11 +115,11 @@ def _consumers(streams: RecordingStreams, model, violations: list):
 
     for layer in model.model.layers:
         layer.register_forward_pre_hook(before_compute)
-    Boundary.free, Boundary.land = checked_free, checked_land
+    Boundary.free, BoundaryGradients.land = checked_free, checked_land
     try:
         yield
     finally:
-        Boundary.free, Boundary.land = free, land
+        Boundary.free, BoundaryGradients.land = free, land
 
 
 def _train(rank, world, composition):
