@@ -111,7 +111,7 @@ class RowGroups(NamedTuple):
     ends: torch.Tensor
 
 
-def _grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def grouped_mm_fits(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``F.grouped_mm`` runs these operands: torch 2.13 has kernels for bf16 on
     CUDA sm80+ only, and its operands' strides must be multiples of 16 bytes."""
     return (x.is_cuda and x.dtype == weight.dtype == torch.bfloat16
@@ -128,7 +128,7 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: RowGroups) -> 
     whole weight per expert and sum them: E x the weight's bytes. ``grouped_mm`` (one
     kernel, one gradient) where it runs, else one ``unbind`` whose backward stacks the
     per-expert gradients once."""
-    if _grouped_mm_fits(x, weight):
+    if grouped_mm_fits(x, weight):
         return F.grouped_mm(x, weight.transpose(-2, -1), offs=groups.ends)
     parts = zip(x.split(groups.sizes), weight.unbind(0))
     return torch.cat([F.linear(rows, w) for rows, w in parts])
