@@ -1,4 +1,4 @@
-"""The MoE experts' backward: grouped (``dmuon.expert_dispatch.grouped_linear``, the
+"""The MoE experts' backward: grouped (``dmuon.grouped_linear``, the
 path the models run) against a select per expert (``weight[j]``, the models' old path,
 written here as the reference).
 
@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from dmuon.expert_dispatch import RowGroups, grouped_linear, grouped_mm_fits
+from dmuon import RowGroups, grouped_linear, grouped_mm_fits
 
 SIZES = {"full": dict(experts=64, dim=2048, ffn=1408, tokens=16384, top_k=8),
          "tiny": dict(experts=8, dim=64, ffn=32, tokens=256, top_k=2)}

@@ -111,13 +111,13 @@ class Experts(nn.Module):
 
     def grouped(self, rows: torch.Tensor, groups) -> torch.Tensor:
         """This rank's experts on ``rows`` grouped by local expert (``groups``: a
-        ``dmuon.expert_dispatch.RowGroups``), each layer one grouped product of the whole
-        3-D weight: a select per expert would make the backward write E copies of it."""
-        from dmuon.expert_dispatch import grouped_linear
+        ``dmuon.RowGroups``), each layer one grouped product of the whole 3-D weight: a
+        select per expert would make the backward write E copies of it."""
+        import dmuon
 
-        h = F.silu(grouped_linear(rows, self.gate_proj, groups)) * \
-            grouped_linear(rows, self.up_proj, groups)
-        return grouped_linear(h, self.down_proj, groups)
+        h = F.silu(dmuon.grouped_linear(rows, self.gate_proj, groups)) * \
+            dmuon.grouped_linear(rows, self.up_proj, groups)
+        return dmuon.grouped_linear(h, self.down_proj, groups)
 
     def forward(self, x: torch.Tensor, choices: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:

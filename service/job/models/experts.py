@@ -8,7 +8,7 @@ each of its weights as one 3-D tensor ``(experts, out, in)`` and is called as
 replaces each module's forward (on the instance: the module's own call, which DMuon's
 hook boundary gathers the experts in, stays the outer one) by ``dmuon.dispatch_combine``
 over the EP group, the local experts computed together from the gathered 3-D params
-(``dmuon.expert_dispatch.grouped_linear``). At EP 1 it routes the same way without the
+(``dmuon.grouped_linear``). At EP 1 it routes the same way without the
 exchanges.
 """
 
@@ -18,8 +18,6 @@ import functools
 
 import torch
 from torch import nn
-
-from dmuon.expert_dispatch import grouped_linear
 
 EXPERTS_MODULE = "experts"
 # Hugging Face's fused-expert layouts this module evaluates (``use_experts_implementation``)
@@ -47,8 +45,10 @@ def _holds_experts(name: str, module: nn.Module) -> bool:
 def _hf_grouped(module: nn.Module, rows: torch.Tensor, groups) -> torch.Tensor:
     """Hugging Face's fused experts on rows grouped by local expert: the fused gate/up
     projection, the gate, down, each one grouped product of the whole 3-D weight."""
-    h = module._apply_gate(grouped_linear(rows, module.gate_up_proj, groups))
-    return grouped_linear(h, module.down_proj, groups)
+    import dmuon
+
+    h = module._apply_gate(dmuon.grouped_linear(rows, module.gate_up_proj, groups))
+    return dmuon.grouped_linear(h, module.down_proj, groups)
 
 
 def _expert_rule(module: nn.Module):
