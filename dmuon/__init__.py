@@ -77,7 +77,7 @@ from .dcp_state_dict import (
     set_optimizer_state_dict,
 )
 from .dedicate import dedicate_params
-from .expert_dispatch import dispatch_combine
+from .expert_dispatch import RowGroups, dispatch_combine, grouped_linear, grouped_mm_fits
 from .expert_parallel import shard_experts
 from .full_state import full_state_dict
 from .grads import clip_grad_norm_, no_sync
@@ -121,6 +121,7 @@ __all__ = [
     "Muon",
     "POLAR_EXPRESS_COEFFICIENTS",
     "PlanMismatch",
+    "RowGroups",
     "YOU_COEFFICIENTS",
     "adjusted_lr",
     "checkpoint",
@@ -136,6 +137,8 @@ __all__ = [
     "get_optimizer_state_dict",
     "get_owned_params",
     "get_plan",
+    "grouped_linear",
+    "grouped_mm_fits",
     "ignored_params",
     "init_weights",
     "materialize",

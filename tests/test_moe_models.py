@@ -170,10 +170,9 @@ def test_each_rank_holds_its_share_of_experts_and_counts_tokens_on_ep(kind):
 
 
 def test_the_local_experts_match_hugging_faces_eager_experts():
-    """The EP rule for Hugging Face's fused layout (each local expert on its rows)
-    evaluates the experts as Hugging Face's eager loop does (one process)."""
-    from service.job.models.experts import _hf_expert
-
+    """The grouped evaluation of Hugging Face's fused layout (what ``use_expert_parallel``
+    runs at EP 1, and on each rank's experts under EP) matches Hugging Face's own eager
+    loop (one process), and the built-in model's experts a per-token loop."""
     model, _ = built("qwen3_moe")
     experts = model.model.layers[0].mlp.experts
     g = torch.Generator().manual_seed(0)
@@ -181,11 +180,17 @@ def test_the_local_experts_match_hugging_faces_eager_experts():
     choices = torch.randn(12, E, generator=g).topk(K, dim=-1).indices
     weights = torch.rand(12, K, generator=g, dtype=torch.float64)
     want = experts(x, choices, weights)
-    got = torch.zeros_like(x)
+    assert use_expert_parallel(model, None) == 2  # one experts module per layer
+    got = experts(x, choices, weights)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+    builtin = built("builtin")[0].model.layers[0].mlp.experts
+    loop = torch.zeros_like(x)
     for t in range(12):
         for j in range(K):
-            got[t] += weights[t, j] * _hf_expert(experts, int(choices[t, j]), x[t:t + 1])[0]
-    assert torch.allclose(got, want, rtol=1e-12, atol=1e-14)
+            e = int(choices[t, j])
+            h = F.silu(builtin.gate_proj[e] @ x[t]) * (builtin.up_proj[e] @ x[t])
+            loop[t] += weights[t, j] * (builtin.down_proj[e] @ h)
+    assert torch.allclose(builtin(x, choices, weights), loop, rtol=1e-12, atol=1e-14)
 
 
 def test_a_spec_names_the_moe_preset_or_its_experts_and_the_counts_match():

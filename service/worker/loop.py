@@ -87,8 +87,8 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     dmuon.materialize(model, seed=spec.seed, init_fn=init_rule(inputs["model"], model))
     if inputs["model"].weights:
         load_weights(model, inputs["model"].weights)
-    if ep_group is not None:
-        use_expert_parallel(model, ep_group, dmuon.get_ledger(model))
+    # at EP 1 too: the experts' grouped evaluation replaces Hugging Face's eager loop
+    use_expert_parallel(model, ep_group, dmuon.get_ledger(model))
     model.train()
     opt = dmuon.Muon(model, **muon_kwargs(spec.optimizer))
     return model, opt, split

@@ -24,6 +24,7 @@ from _train import HPARAMS, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
+from dmuon.expert_dispatch import grouped_linear
 from dmuon.testing import run
 
 D, H, E, K, VOCAB, LAYERS, STEPS, ROWS, SEED = 16, 24, 8, 2, 64, 2, 10, 16, 3
@@ -38,7 +39,8 @@ SAVE_AT = 5
 
 
 class Experts(nn.Module):
-    """This rank's experts as 3-D weights, called once with each local expert's rows."""
+    """This rank's experts as 3-D weights, called once with every local row, grouped by
+    expert (``dmuon.expert_dispatch.RowGroups``)."""
 
     def __init__(self, count: int = E):
         super().__init__()
@@ -49,9 +51,8 @@ class Experts(nn.Module):
         nn.init.normal_(self.up, std=0.2)
         nn.init.normal_(self.down, std=0.2)
 
-    def forward(self, chunks: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([F.silu(c @ self.up[j].T) @ self.down[j].T
-                          for j, c in enumerate(chunks)])
+    def forward(self, rows: torch.Tensor, groups) -> torch.Tensor:
+        return grouped_linear(F.silu(grouped_linear(rows, self.up, groups)), self.down, groups)
 
 
 def route(logits: torch.Tensor, banned: bool):

@@ -109,19 +109,24 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(c.experts, f, c.dim))
         self.down_proj = nn.Parameter(torch.empty(c.experts, c.dim, f))
 
-    def expert(self, j: int, x: torch.Tensor) -> torch.Tensor:
-        """Local expert ``j`` (an index into this rank's experts) on its rows ``x``."""
-        h = F.silu(F.linear(x, self.gate_proj[j])) * F.linear(x, self.up_proj[j])
-        return F.linear(h, self.down_proj[j])
+    def grouped(self, rows: torch.Tensor, groups) -> torch.Tensor:
+        """This rank's experts on ``rows`` grouped by local expert (``groups``: a
+        ``dmuon.RowGroups``), each layer one grouped product of the whole 3-D weight: a
+        select per expert would make the backward write E copies of it."""
+        import dmuon
+
+        h = F.silu(dmuon.grouped_linear(rows, self.gate_proj, groups)) * \
+            dmuon.grouped_linear(rows, self.up_proj, groups)
+        return dmuon.grouped_linear(h, self.down_proj, groups)
 
     def forward(self, x: torch.Tensor, choices: torch.Tensor,
                 weights: torch.Tensor) -> torch.Tensor:
-        """``[n, dim]``: each token's ``top_k`` experts' outputs weighted by ``weights``."""
-        out = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            rows, slot = (choices == e).nonzero(as_tuple=True)
-            out = out.index_add(0, rows, self.expert(e, x[rows]) * weights[rows, slot, None])
-        return out
+        """``[n, dim]``: each token's ``top_k`` experts' outputs weighted by ``weights``
+        (routed as under EP, without the exchanges: one sort, one host sync)."""
+        import dmuon
+
+        return dmuon.dispatch_combine(x, choices, weights, self.grouped, self.num_experts,
+                                      None)
 
 
 class MoE(nn.Module):

@@ -7,7 +7,9 @@ each of its weights as one 3-D tensor ``(experts, out, in)`` and is called as
 ``dmuon.shard_experts`` each EP rank holds E/P of them; ``use_expert_parallel`` then
 replaces each module's forward (on the instance: the module's own call, which DMuon's
 hook boundary gathers the experts in, stays the outer one) by ``dmuon.dispatch_combine``
-over the EP group, each local expert reading the gathered 3-D params at its call.
+over the EP group, the local experts computed together from the gathered 3-D params
+(``dmuon.grouped_linear``). At EP 1 it routes the same way without the
+exchanges.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 EXPERTS_MODULE = "experts"
@@ -41,36 +42,33 @@ def _holds_experts(name: str, module: nn.Module) -> bool:
         is_expert(f"{name}.{p}", t) for p, t in module.named_parameters(recurse=False))
 
 
-def _hf_expert(module: nn.Module, j: int, x: torch.Tensor) -> torch.Tensor:
-    """Hugging Face's eager expert ``j``: fused gate/up projection, gate, down."""
-    h = module._apply_gate(F.linear(x, module.gate_up_proj[j]))
-    return F.linear(h, module.down_proj[j])
+def _hf_grouped(module: nn.Module, rows: torch.Tensor, groups) -> torch.Tensor:
+    """Hugging Face's fused experts on rows grouped by local expert: the fused gate/up
+    projection, the gate, down, each one grouped product of the whole 3-D weight."""
+    import dmuon
+
+    h = module._apply_gate(dmuon.grouped_linear(rows, module.gate_up_proj, groups))
+    return dmuon.grouped_linear(h, module.down_proj, groups)
 
 
 def _expert_rule(module: nn.Module):
-    """``rule(module, j, rows)``: local expert ``j`` of ``module`` on its rows."""
-    if hasattr(module, "expert"):  # the built-in experts
-        return lambda m, j, x: m.expert(j, x)
+    """``rule(module, rows, groups)``: the local experts of ``module`` on their rows, or
+    None for a layout this module does not evaluate."""
+    if hasattr(module, "grouped"):  # the built-in experts
+        return lambda m, rows, groups: m.grouped(rows, groups)
     if all(hasattr(module, a) for a in ("gate_up_proj", "down_proj", "_apply_gate")) and \
             all(getattr(module, k, v) == v for k, v in _HF_LAYOUT.items()):
-        return _hf_expert
-    raise NotImplementedError(f"expert parallelism: {type(module).__name__} is not an "
-                              "experts layout this service evaluates (the built-in MoE, "
-                              "Hugging Face's fused gate_up_proj/down_proj)")
-
-
-def _local_count(module: nn.Module) -> int:
-    """This rank's experts: dim 0 of its 3-D params, E/P after ``dmuon.shard_experts``."""
-    return next(p for p in module.parameters(recurse=False) if p.ndim == 3).shape[0]
+        return _hf_grouped
+    return None
 
 
 def _dispatching_forward(module: nn.Module, rule, ep_group, ledger):
     import dmuon
 
     def forward(hidden_states, top_k_index, top_k_weights):
-        experts = [functools.partial(rule, module, j) for j in range(_local_count(module))]
-        return dmuon.dispatch_combine(hidden_states, top_k_index, top_k_weights, experts,
-                                      module.num_experts, ep_group, ledger)
+        return dmuon.dispatch_combine(hidden_states, top_k_index, top_k_weights,
+                                      functools.partial(rule, module), module.num_experts,
+                                      ep_group, ledger)
 
     return forward
 
@@ -78,16 +76,25 @@ def _dispatching_forward(module: nn.Module, rule, ep_group, ledger):
 def use_expert_parallel(model: nn.Module, ep_group, ledger=None) -> int:
     """Dispatch every experts module's tokens over ``ep_group`` (``dmuon.shard_experts``'s
     return), its all-to-all bytes recorded on ``ledger`` (``dmuon.get_ledger(model)``);
-    returns how many modules now dispatch. A 1-rank group changes nothing: the experts
-    run locally."""
+    returns how many modules now dispatch. With no group or a 1-rank one the experts run
+    locally, routed the same way (one sort, one host sync, grouped products), in place
+    of Hugging Face's eager loop (a select and a ``nonzero`` per expert); a layout this
+    module does not evaluate keeps its own forward there, and is refused under EP."""
     import torch.distributed as dist
 
-    if ep_group is None or dist.get_world_size(ep_group) == 1:
-        return 0
+    local = ep_group is None or dist.get_world_size(ep_group) == 1
     switched = 0
     for name, module in model.named_modules():
-        if _holds_experts(name, module):
-            module.forward = _dispatching_forward(module, _expert_rule(module), ep_group,
-                                                  ledger)
+        if not _holds_experts(name, module):
+            continue
+        rule = _expert_rule(module)
+        if rule is None and not local:
+            raise NotImplementedError(
+                f"expert parallelism: {type(module).__name__} is not an experts layout "
+                "this service evaluates (the built-in MoE, Hugging Face's fused "
+                "gate_up_proj/down_proj)")
+        if rule is not None:
+            module.forward = _dispatching_forward(module, rule, None if local else ep_group,
+                                                  None if local else ledger)
             switched += 1
     return switched
