@@ -10,7 +10,6 @@ communicators let DMuon's traffic overlap FSDP2's.
 from __future__ import annotations
 
 import dataclasses
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -20,8 +19,7 @@ from . import comm, tp_traffic
 from .buffers import Boundary, Member
 from .expert_parallel import ep_subgroups
 from .full_state import install_state_dict_guard
-from .hooks import BoundaryHooks
-from .model_state import DEDICATED_ATTR, STATE_ATTR, DMuonState, RankContext
+from .model_state import DEDICATED_ATTR, STATE_ATTR, DedicatedModel, RankContext
 from .partition import (
     EP_ATTR,
     DedicationPlan,
@@ -31,7 +29,6 @@ from .partition import (
     plan_from_shapes,
 )
 from .process_groups import Communicators, mesh_device
-from .reduce import GradientReduce
 from .tp import tp_shard_of
 
 
@@ -178,7 +175,7 @@ def _storage_less_like(p: nn.Parameter, device) -> nn.Parameter:
     return nn.Parameter(local, requires_grad=p.requires_grad)
 
 
-def leave_meta(state: DMuonState) -> None:
+def leave_meta(state: DedicatedModel) -> None:
     """Dedicated params still on the meta device get a storage-less tensor on the mesh's
     device as their content, keeping their identity (``swap_tensors``: the boundaries,
     the marks and the user's references stay valid; only autograd's hooks, which live on
@@ -197,7 +194,8 @@ def leave_meta(state: DMuonState) -> None:
             next(h for h in state.hooks if h.boundary is b).hook_gradients()
 
 
-def build_boundaries(state: DMuonState, model: nn.Module, shapes: dict, policy) -> None:
+def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, shapes: dict,
+                     policy) -> list[Boundary]:
     """Packed buffers for every boundary, filled with the params' current values
     (unless on the meta device), the module's tensors then viewing them.
 
@@ -210,21 +208,23 @@ def build_boundaries(state: DMuonState, model: nn.Module, shapes: dict, policy) 
     Boundaries go in forward order, the modules' (a parent's forward begins before its
     children's): by their params' order a boundary nested in another (an experts module
     inside its block) whose params come first would go first, and prefetch would
-    gather the wrong neighbour."""
-    state.boundaries = []
-    ep = state.ctx.shard_rank % state.plan.ep_size
-    members = _members(state.plan, dict(model.named_parameters()), shapes, ep)
+    gather the wrong neighbour. ``contexts``: (the rank's, the expert-parallel one's)."""
+    ctx, expert_ctx = contexts
+    boundaries = []
+    ep = ctx.shard_rank % plan.ep_size
+    members = _members(plan, dict(model.named_parameters()), shapes, ep)
     order = {name: i for i, (name, _) in enumerate(model.named_modules())}
     for name in sorted(members, key=order.__getitem__):
         members_here = members[name]
-        ctx = state.expert_ctx if members_here[0].ep_base is not None else state.ctx
-        b = Boundary(name, members_here, ctx, *_param_dtype(members_here, policy))
+        here = expert_ctx if members_here[0].ep_base is not None else ctx
+        b = Boundary(name, members_here, here, *_param_dtype(members_here, policy))
         if b.on_meta:
             b.free()  # the module keeps its meta params until dmuon.materialize
         else:
             b.load_initial_values()
             b.bind_views()
-        state.boundaries.append(b)
+        boundaries.append(b)
+    return boundaries
 
 
 def _plan_to_run(stored, entries: list, shard_size: int, replicate_size: int, ep: tuple):
@@ -278,43 +278,45 @@ def dedicate_params(
                         is not None else 1, model_ep(model, predicate))
     comms = Communicators()
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None), comms)
-    state = DMuonState(plan, ctx, reshard_after_forward, prefetch)
-    state.expert_ctx = _expert_context(ctx, mesh, plan.ep_size, comms) \
-        if plan.ep_size > 1 else None
+    expert_ctx = _expert_context(ctx, mesh, plan.ep_size, comms) if plan.ep_size > 1 else None
     comms.warm(ctx.device)
-    state.communicators = comms
-    state.mp_policy, state.own_mp_policy = mp_policy, mp_policy is not None
     params = dict(model.named_parameters())
-    state.needs_init = any(params[f].is_meta for f in plan.param_fqns)
-    build_boundaries(state, model, _local_shapes(plan, params), mp_policy)
+    boundaries = build_boundaries(plan, (ctx, expert_ctx), model,
+                                  _local_shapes(plan, params), mp_policy)
+    _record_tp(plan, boundaries, ctx)
+    state = DedicatedModel(model, plan, ctx, boundaries, expert_ctx=expert_ctx,
+                           communicators=comms, reshard_after_forward=reshard_after_forward,
+                           prefetch=prefetch, mp_policy=mp_policy,
+                           own_mp_policy=mp_policy is not None)
     _attach(model, state)
     return plan
 
 
-def _attach(model: nn.Module, state: DMuonState) -> None:
-    """Hooks, the ordered reduce, the marks on dedicated params and the state-dict guard."""
-    plan, params = state.plan, dict(model.named_parameters())
-    state.hooks = [BoundaryHooks(b, model.get_submodule(b.name), state) for b in state.boundaries]
-    state.reduce = GradientReduce(state.boundaries, state.ctx, len(plan.params))
-    state.install_root_hooks(model)
-    for b in state.boundaries:
+def _record_tp(plan: DedicationPlan, boundaries: list[Boundary], ctx: RankContext) -> None:
+    """The TP modes of dedicated TP shards into the plan, their group into the context
+    (their NS talks there)."""
+    for b in boundaries:
         for m in b.members:
             if m.tp is not None:
                 plan.params[m.fqn] = dataclasses.replace(plan.params[m.fqn], tp=m.tp.mode)
                 plan.tp_size = m.tp.size
-                state.ctx.tp_group = m.tp.group
+                ctx.tp_group = m.tp.group
+
+
+def _attach(model: nn.Module, state: DedicatedModel) -> None:
+    """The marks on dedicated params, the state-dict guard, ``zero_grad``, the state."""
+    plan, params = state.plan, dict(model.named_parameters())
     for fqn in plan.param_fqns:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         params[fqn]._dmuon_owner_state = state  # param groups find the state
     install_state_dict_guard(model, plan)
     tp_traffic.attach(model, state)
-    state.model = weakref.ref(model)
     _discarding_zero_grad(model, state)
     plan.bind(params)
     setattr(model, STATE_ATTR, state)
 
 
-def _discarding_zero_grad(model: nn.Module, state: DMuonState) -> None:
+def _discarding_zero_grad(model: nn.Module, state: DedicatedModel) -> None:
     """``model.zero_grad()`` drops DMuon's gradients too: a dedicated param's gradient
     has left its ``.grad`` for DMuon's buffers by then, where ``nn.Module.zero_grad``
     cannot see it. Set on the instance, so FSDP2's class swap keeps it."""

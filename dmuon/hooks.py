@@ -72,7 +72,7 @@ class BoundaryHooks:
         state.before_first_forward()
         b.transfer.start_gather("recompute" if recompute else "forward")
         if not recompute:
-            state.prefetch(self, forward=True)
+            state.iteration.prefetch(self, forward=True)
         b.transfer.wait_gather()
         if not self._checked:
             b.check_views()
@@ -125,7 +125,7 @@ class BoundaryHooks:
             self.state.reduce.flush()
             b = self.boundary
             b.transfer.start_gather("backward")
-            self.state.prefetch(self, forward=False)
+            self.state.iteration.prefetch(self, forward=False)
             b.transfer.wait_gather()
             self.state.trace(f"backward:{self.name}")
         return grad

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from .dedicate import leave_meta
-from .model_state import get_state, is_dedicated
+from .model_state import check_dedicated, get_state, is_dedicated
 from .partition import whole_shape
 
 
@@ -158,11 +158,11 @@ def materialize(model: nn.Module, *, seed: int = 0, init_fn=None) -> None:
     """Allocate and initialise a model dedicated (and fully sharded) on the meta device;
     collective only in that every rank must call it. See the module docstring."""
     state = get_state(model)
-    state.check_dedicated()
+    check_dedicated(state)
     leave_meta(state)
     _to_empty_except_dedicated(model, state)
     _initialise(model, state, seed, init_fn)
-    state.needs_init = False
+    state.mark_initialised()
 
 
 @torch.no_grad()

@@ -1,11 +1,12 @@
 """What ``dedicate_params`` attaches to a model: where this rank sits, its groups, its
-boundaries and hooks, and the ordered gradient reduce (``DMuonState``); and the
+boundaries and hooks, and the ordered gradient reduce (``DedicatedModel``); and the
 functions that read it back from a model (``get_state``, ``get_plan``, the dedicated
 and owned params)."""
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -14,13 +15,14 @@ from torch import nn
 from . import comm
 from .cuda_graphs import check_no_cuda_graphs
 from .fqn import canonical_fqn, params_by_name
+from .hooks import BoundaryHooks
+from .iteration import Iteration
 from .nonfinite import count_nonfinite
 from .partition import DedicationPlan
+from .reduce import GradientReduce
 
 if TYPE_CHECKING:
     from .buffers import Boundary
-    from .hooks import BoundaryHooks
-    from .reduce import GradientReduce
 
 STATE_ATTR = "_dmuon_state"
 DEDICATED_ATTR = "_dmuon_dedicated"
@@ -48,32 +50,39 @@ class RankContext:
     ep_group: object = None
 
 
-class DMuonState:
-    """Everything ``dedicate_params`` attaches to a model (one per model)."""
+class DedicatedModel:
+    """Everything ``dedicate_params`` attaches to a model (one per model), built once:
+    the plan, this rank's contexts and groups, the boundaries (forward order), their
+    hooks, the ordered gradient reduce and the iteration's root hooks. Other modules ask
+    it; none assigns into it."""
 
-    def __init__(self, plan: DedicationPlan, ctx: RankContext, reshard_after_forward: bool,
-                 prefetch: int):
-        self.plan, self.ctx = plan, ctx
-        self.expert_ctx: RankContext | None = None  # expert-parallel boundaries' context
-        self.reshard_after_forward = reshard_after_forward
-        self.prefetch_depth = prefetch
-        self.boundaries: list[Boundary] = []  # forward order
-        self._backward_order: list[Boundary] = []
-        self.hooks: list[BoundaryHooks] = []
-        self.reduce: GradientReduce | None = None
-        self.in_backward = False
-        self.needs_init = False
-        self.mp_policy = None
-        self.own_mp_policy = False  # given to dedicate_params: fully_shard's is FSDP2's alone
+    def __init__(self, model: nn.Module, plan: DedicationPlan, ctx: RankContext,
+                 boundaries: list, *, expert_ctx: RankContext | None, communicators,
+                 reshard_after_forward: bool, prefetch: int, mp_policy, own_mp_policy: bool):
+        self.plan, self.ctx, self.expert_ctx = plan, ctx, expert_ctx
+        self.communicators = communicators  # DMuon's own groups (process_groups)
+        self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch
+        self.mp_policy = mp_policy
+        self.own_mp_policy = own_mp_policy  # given to dedicate_params: FSDP2's is its own
+        self.boundaries: list[Boundary] = boundaries
+        self.needs_init = any(p.is_meta for b in boundaries for p in b.params)
         self.optimizer_attached = False
-        self.memory_trace: list[tuple[str, int]] | None = None
-        self.model = lambda: None  # a weak reference to the dedicated model, once attached
-        self.set_up_checked = False  # before_first_forward ran
-        self.communicators = None  # DMuon's own groups (process_groups.Communicators)
+        self.memory_trace: list[tuple[str, int]] | None = None  # tests set a list
+        self.model = weakref.ref(model)
+        self._set_up_checked = False  # before_first_forward ran
+        self.hooks: list[BoundaryHooks] = [
+            BoundaryHooks(b, model.get_submodule(b.name), self) for b in boundaries]
+        self.reduce: GradientReduce = GradientReduce(boundaries, ctx, len(plan.params))
+        self.iteration = Iteration(self)
+        self.iteration.install(model)
 
     @property
     def ledger(self) -> comm.Ledger:
         return self.ctx.ledger
+
+    @property
+    def in_backward(self) -> bool:
+        return self.iteration.in_backward
 
     @property
     def owned_params(self) -> dict[str, torch.Tensor]:
@@ -87,132 +96,30 @@ class DMuonState:
         if self.memory_trace is not None:
             self.memory_trace.append((event, self.live_packed_bytes()))
 
-    def check_initialised(self) -> None:
-        if self.needs_init:
-            raise RuntimeError("the model was dedicated on the meta device: call "
-                               "dmuon.materialize(model, ...) before the first forward")
+    def mark_initialised(self) -> None:
+        """``dmuon.materialize`` gave every dedicated param its values."""
+        self.needs_init = False
 
-    def check_dedicated(self) -> None:
-        """Refuse a model whose dedicated params FSDP2 took over: a ``fully_shard`` bound
-        before ``import dmuon`` is FSDP2's own, which does not skip them."""
-        model = self.model()
-        if model is None:
-            return
-        now = params_by_name(model)
-        for b in self.boundaries:
-            for m in b.members:
-                fqn = self.plan.params[m.fqn].param
-                if now.get(canonical_fqn(fqn)) is not m.param:
-                    raise RuntimeError(
-                        f"'{fqn}' is dedicated to DMuon, but FSDP2 sharded it: that "
-                        "fully_shard was imported before `import dmuon`, so it does not skip "
-                        "dedicated params. Import dmuon first (then `from "
-                        "torch.distributed.fsdp import fully_shard` skips them), or call "
-                        "dmuon.fully_shard, or pass ignored_params=dmuon.ignored_params(model);"
-                        " order: TP, dmuon.dedicate_params, fully_shard")
+    def attach_optimizer(self) -> None:
+        self.optimizer_attached = True
 
     def before_first_forward(self) -> None:
         """Checks the set-up once, then frees the placeholders' storage, which a model
         dedicated with its values kept until now (see ``build_boundaries``)."""
-        if self.set_up_checked:
+        if self._set_up_checked:
             return
-        self.check_initialised()
-        self.check_dedicated()
+        if self.needs_init:
+            raise RuntimeError("the model was dedicated on the meta device: call "
+                               "dmuon.materialize(model, ...) before the first forward")
+        check_dedicated(self)
         check_no_cuda_graphs(((h.name, h.module) for h in self.hooks),
                              self.reshard_after_forward, self.model())
         for b in self.boundaries:
             b.free()
-        self.set_up_checked = True
-
-    def prefetch(self, hooks: BoundaryHooks, forward: bool) -> None:
-        """Issue the all-gathers of the next boundaries (in backward: the ones its
-        backward reaches next, Z3 only), so they overlap this boundary's compute. Every
-        rank issues the same."""
-        if forward == self.in_backward or not (forward or self.reshard_after_forward):
-            return
-        order = self.boundaries if forward else self.backward_order()
-        self._gather_ahead(order, order.index(hooks.boundary), forward)
-
-    def backward_order(self) -> list[Boundary]:
-        """The order the backward enters the boundaries: the reverse of the order their
-        forwards end (FSDP2's rule), so a boundary nested in another (experts inside
-        their block) comes right after it; without nesting, the reverse forward order."""
-        def ends_before(a: str, b: str) -> bool:  # a's forward ends before b's
-            return b == "" or a.startswith(b + ".") if a != b else False
-
-        if len(self._backward_order) == len(self.boundaries):
-            return self._backward_order
-        done: list = []
-        for b in self.boundaries:  # forward (pre-)order; parents come before children
-            at = len(done)
-            while at > 0 and ends_before(b.name, done[at - 1].name):
-                at -= 1
-            done.insert(at, b)
-        self._backward_order = done[::-1]
-        return self._backward_order
-
-    def _gather_ahead(self, order: list, i: int, forward: bool) -> None:
-        """The all-gathers of the ``prefetch_depth`` boundaries after position ``i`` in
-        ``order``."""
-        for k in range(1, self.prefetch_depth + 1):
-            if 0 <= i + k < len(order):
-                order[i + k].transfer.start_gather("forward" if forward else "backward")
-
-    # -- the root's hooks: where one iteration's backward begins and ends -----------------
-    def install_root_hooks(self, model: nn.Module) -> None:
-        @torch.compiler.disable  # collectives and set-up checks: eager under a compile
-        def pre_forward(module, args):
-            self.before_first_forward()
-            if self.in_backward:
-                self.end_backward()
-            # the first boundaries' all-gathers overlap what runs before them (the
-            # embedding, FSDP2's own gathers); every rank issues them here, in order
-            self._gather_ahead(self.boundaries, -1, forward=True)
-
-        def post_forward(module, args, output):
-            if torch.is_grad_enabled() and not self.in_backward:
-                from torch.utils._pytree import tree_flatten
-
-                hooked = False
-                for t in tree_flatten(output)[0]:
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(self._backward_begins)
-                        hooked = True
-                if hooked and self.reshard_after_forward:
-                    # Z3: the backward needs the last boundaries first; their re-gathers
-                    # overlap the loss and the head's backward
-                    self._gather_ahead(self.backward_order(), -1, forward=False)
-            return output
-
-        model.register_forward_pre_hook(pre_forward)
-        model.register_forward_hook(post_forward)
-
-    def _backward_begins(self, grad):
-        if self.in_backward and self.reduce.backward_open:
-            return grad  # another output of the same forward
-        self.in_backward = True
-        self.reduce.begin_backward()
-        # Boundaries the backward did not end (inputs without grad, a param without a
-        # gradient on this rank) end in one callback when the backward is over, on every
-        # rank, before anything of the next step: ended at the next forward instead,
-        # a rank issued DMuon's reduce after FSDP2's collectives where its peers issued
-        # it before them, and NCCL wants one order across communicators (FSDP2 ends its
-        # own backward the same way)
-        torch.autograd.Variable._execution_engine.queue_callback(self._backward_ends)
-        return grad
-
-    def _backward_ends(self) -> None:
-        if self.in_backward:
-            self.end_backward()
+        self._set_up_checked = True
 
     def end_backward(self) -> None:
-        if self.in_backward:
-            for h in self.hooks:
-                h.end_backward()
-        self.in_backward = False
-        self.reduce.end_backward()
-        for h in self.hooks:
-            h.reset()
+        self.iteration.end_backward()
 
     def adopt_mp_policy(self, policy) -> None:
         """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy for both kinds
@@ -302,6 +209,26 @@ class DMuonState:
             b.transfer.wait_replicate()
 
 
+def check_dedicated(state: DedicatedModel) -> None:
+    """Refuse a model whose dedicated params FSDP2 took over: a ``fully_shard`` bound
+    before ``import dmuon`` is FSDP2's own, which does not skip them."""
+    model = state.model()
+    if model is None:
+        return
+    now = params_by_name(model)
+    for b in state.boundaries:
+        for m in b.members:
+            fqn = state.plan.params[m.fqn].param
+            if now.get(canonical_fqn(fqn)) is not m.param:
+                raise RuntimeError(
+                    f"'{fqn}' is dedicated to DMuon, but FSDP2 sharded it: that "
+                    "fully_shard was imported before `import dmuon`, so it does not skip "
+                    "dedicated params. Import dmuon first (then `from "
+                    "torch.distributed.fsdp import fully_shard` skips them), or call "
+                    "dmuon.fully_shard, or pass ignored_params=dmuon.ignored_params(model);"
+                    " order: TP, dmuon.dedicate_params, fully_shard")
+
+
 def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:
     """FSDP2 keeps a ``no_sync`` backward's gradients on its unsharded params, which
     ``zero_grad`` never reaches (it sees the sharded ones), so the next synced backward
@@ -320,7 +247,7 @@ def _drop_fsdp2_unreduced_gradients(model: nn.Module) -> None:
                 unsharded.grad = None
 
 
-def get_state(model: nn.Module) -> DMuonState:
+def get_state(model: nn.Module) -> DedicatedModel:
     state = getattr(model, STATE_ATTR, None)
     if state is None:
         raise RuntimeError("model has no DMuon state: call dmuon.dedicate_params(model, ...) first")
@@ -376,3 +303,6 @@ def is_dedicated(param: nn.Parameter) -> bool:
 def ignored_params(model: nn.Module) -> set[nn.Parameter]:
     """The dedicated params under ``model``, for ``fully_shard(..., ignored_params=...)``."""
     return {p for p in model.parameters() if is_dedicated(p)}
+
+
+DMuonState = DedicatedModel  # the name before issue 51; get_state's type

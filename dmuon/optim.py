@@ -9,7 +9,7 @@ from torch import nn
 
 from . import normuon
 from . import qk_clip as qk_clip_rule
-from .model_state import DMuonState, get_state, is_dedicated
+from .model_state import DedicatedModel, check_dedicated, get_state, is_dedicated
 from .newton_schulz import check_backend, coefficient_schedule, newton_schulz
 from .nonfinite import count_nonfinite
 from .tp import tp_newton_schulz
@@ -85,7 +85,7 @@ def named_groups(model: nn.Module, param_groups) -> list[dict]:
     return out
 
 
-def _user_groups(params, param_groups=None) -> tuple[list[dict], DMuonState]:
+def _user_groups(params, param_groups=None) -> tuple[list[dict], DedicatedModel]:
     """torch-style groups over module params (or the reference's named groups over the
     model's), and the DMuon state they belong to."""
     if param_groups is not None:
@@ -173,7 +173,7 @@ class Muon(torch.optim.Optimizer):
         _check_args(muon_defaults)
         _check_adamw_args(adamw_defaults)
         user_groups, self._state = _user_groups(params, param_groups)
-        self._state.check_dedicated()
+        check_dedicated(self._state)
         self.replicate_async, self.skip_nonfinite = replicate_async, skip_nonfinite
         # steps skipped for a non-finite gradient; the last step's ranks (or ["fsdp2"])
         self.skipped_steps, self.nonfinite_ranks = 0, []
@@ -182,7 +182,7 @@ class Muon(torch.optim.Optimizer):
         # One source of truth: AdamW reads the group dicts and state this optimizer owns.
         self._adamw.param_groups = [g for g in self.param_groups if g["kind"] == "adamw"]
         self._adamw.state = self.state
-        self._state.optimizer_attached = True
+        self._state.attach_optimizer()
         self._attach_qk_clip(qk_clip)
 
     def _groups(self, user_groups, muon_defaults: dict, adamw_defaults: dict) -> list[dict]:
@@ -370,7 +370,7 @@ class Muon(torch.optim.Optimizer):
                 for (p, _), part in zip(entries, ortho.split(sizes))]
 
 
-def _members_by_master(state: DMuonState) -> dict:
+def _members_by_master(state: DedicatedModel) -> dict:
     """``id(master)`` -> its partition member, for the matrices this rank owns."""
     members = {m.fqn: m for b in state.boundaries for m in b.owned}
     return {id(t): members[fqn] for fqn, t in state.owned_params.items()}
