@@ -95,3 +95,18 @@ def test_hf_llama_takes_the_max_logits_from_flex_attention(flex):
         want = plain(input_ids=tokens).logits
     assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)  # HF's [B, T, H, D] layout
     check_records(model.model.layers, flex)
+
+
+def test_the_gpu_bench_rows_run_tiny_on_the_cpu_with_the_fallback_only():
+    """``bench.gpu_qk_clip`` as the suite runs it: one fallback row, whose max logit is
+    the float64 reference's on the layer's own q and k."""
+    from bench.gpu_qk_clip import _qkv, _setup, max_logit_rows, table_rows
+
+    (row,) = max_logit_rows(torch.device("cpu"), tiny=True)
+    assert row["path"] == "fallback" and row["max_abs_diff"] is None
+    assert row["pass_ms"] > 0 and 0 < row["share"] and row["tokens"] == 64
+    layer, inputs, *_ = _setup(torch.device("cpu"), tiny=True)
+    with torch.no_grad():
+        q, k, _ = _qkv(layer, *inputs)
+    assert math.isclose(row["max_logit"], row_maxima(q, k).max().item(), rel_tol=1e-5)
+    assert len(table_rows([row])) == 1
