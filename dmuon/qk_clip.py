@@ -200,8 +200,10 @@ def attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
             _fold(module, now, k.shape[1])
         return out
     record_max_logits(module, q, k, causal=causal, scale=scale)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # SDPA's enable_gqa measured 10-15 % slower in the CPU's fwd + bwd
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def scales(maxima: torch.Tensor, kv_heads: int, tau: float):
