@@ -23,19 +23,25 @@ A model's attention module takes part by naming its projection weights in the at
 ``qk_clip_weights`` (``("q_proj.weight", "k_proj.weight")``, paths under the module, rows
 ordered head by head, query head h in key group ``h // (H_q / H_kv)``) and calling
 ``record_max_logits(self, q, k)`` in its forward with q and k as softmax sees them
-(after RoPE, ``[batch, heads, tokens, head_dim]``, k before any GQA repeat). The maxima
-are rank-local and kept as a running max over the step's micro-batches, so a forward
-recomputed under activation checkpointing records nothing new; forwards without grad
-(evaluation) are not recorded, and ``zero_grad`` drops the maxima with the gradients.
+(after RoPE, ``[batch, heads, tokens, head_dim]``, k before any GQA repeat), or by
+running its attention through ``attention(self, q, k, v)``, which on CUDA takes the
+maxima from the flex_attention kernel itself (no second pass over the logits) and
+elsewhere runs SDPA after ``max_logits``, a slab-wise pass that reads q and k in their
+own dtype. The maxima are rank-local and kept as a running max over the step's
+micro-batches; non-reentrant checkpointing's recompute is not recorded (its forward
+was), forwards without grad (evaluation) are not either, and ``zero_grad`` drops the
+maxima with the gradients.
 Under TP each rank records its own (colwise) heads; the maxima are reduced with MAX over
 the data-parallel groups only.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
+import torch.nn.functional as F
 
 from . import comm
 
@@ -51,41 +57,153 @@ def is_tracking(attention) -> bool:
 
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
-               scale: float | None = None) -> torch.Tensor:
-    """Per query head, the largest of ``q . k * scale`` (default ``1/sqrt(head_dim)``)
-    over batch and token pairs; ``causal``: key s after query t masked as SDPA's
-    ``is_causal`` does (top-left aligned). Kept in float32 at least."""
+               scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Per query head, the largest of ``q . k * scale`` (default ``1/sqrt(head_dim)``,
+    > 0) over batch and attended token pairs: ``causal`` masks key s after query t as
+    SDPA's ``is_causal`` does (top-left aligned), ``mask`` (bool, True = attended,
+    broadcastable to ``[B, H_q, T, S]``) as SDPA's ``attn_mask``. The fallback of the
+    flex kernel (``attention``): q and k are read in their own dtype, slab by slab of
+    query tokens (at most ``_SLAB`` logits each), a causal slab only up to its last
+    query's key, the mask folded in place; the max is kept in float32 at least."""
     b, hq, t, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
-    work = torch.promote_types(q.dtype, torch.float32)
     scale = d ** -0.5 if scale is None else scale
-    grouped = q.to(work).reshape(b, hkv, hq // hkv, t, d)
-    k = k.to(work)
-    out = torch.full((hkv, hq // hkv), -math.inf, dtype=work, device=q.device)
+    if not scale > 0:  # the max is scaled after the reduction, which a sign would flip
+        raise ValueError(f"dmuon.qk_clip.max_logits: scale must be > 0, got {scale}")
+    hidden = None if mask is None else ~mask.expand(b, hq, t, s).unflatten(1, (hkv, -1))
+    grouped = q.unflatten(1, (hkv, hq // hkv))  # a view: GQA without repeating k
+    keys = k.reshape(b * hkv, s, d)  # a view unless k is strided oddly (one copy then)
+    out = torch.full((hkv, hq // hkv), -math.inf, device=q.device,
+                     dtype=torch.promote_types(q.dtype, torch.float32))
     per_slab = max(1, _SLAB // (b * hq * s))
     for start in range(0, t, per_slab):
-        logits = torch.einsum("bgrtd,bgsd->bgrts", grouped[:, :, :, start:start + per_slab], k)
-        if causal:
-            rows = torch.arange(start, start + logits.shape[-2], device=q.device)
-            later = torch.arange(s, device=q.device)[None, :] > rows[:, None]
-            logits = logits.masked_fill(later, -math.inf)
-        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)) * scale)
-    return out.reshape(hq)
+        stop = min(t, start + per_slab)
+        logits = _slab_logits(grouped, keys, start, stop, min(s, stop) if causal else s)
+        if causal:  # keys before the slab's first query are all attended: only the
+            # diagonal block has masked pairs
+            diagonal = logits[..., start:stop]
+            later = torch.ones(stop - start, diagonal.shape[-1], dtype=torch.bool,
+                               device=q.device).triu(1)
+            diagonal.masked_fill_(later, -math.inf)
+        if hidden is not None:
+            logits.masked_fill_(hidden[..., start:stop, :logits.shape[-1]], -math.inf)
+        out = torch.maximum(out, logits.amax(dim=(0, 3, 4)).to(out.dtype))
+    return out.reshape(hq) * scale
+
+
+def _slab_logits(grouped, keys, start: int, stop: int, width: int) -> torch.Tensor:
+    """``q . k`` of queries ``start:stop`` and keys ``:width``, ``[B, H_kv, group,
+    stop - start, width]``: fp32 out of fp16/bf16 on CUDA (its matmul writes the fp32
+    accumulator, not a rounded copy); in q's dtype elsewhere (the CPU has no such
+    matmul, and a float32 copy of q and k is what this pass avoids)."""
+    b, hkv, group, _, d = grouped.shape
+    rows = grouped[:, :, :, start:stop].reshape(b * hkv, -1, d)  # one slab of q
+    wide = {"out_dtype": torch.float32} if grouped.is_cuda and \
+        grouped.dtype in (torch.float16, torch.bfloat16) else {}
+    logits = torch.bmm(rows, keys[:, :width].transpose(1, 2), **wide)
+    return logits.view(b, hkv, group, stop - start, width)
 
 
 def record_max_logits(attention, q: torch.Tensor, k: torch.Tensor, *, causal: bool = True,
-                      scale: float | None = None) -> None:
+                      scale: float | None = None, mask: torch.Tensor | None = None) -> None:
     """Called by an attention module's forward: folds this forward's per-head max logits
-    into the step's running max (no autograd graph). A no-op unless tracked, and for a
-    forward without grad (an evaluation; reentrant checkpointing's first pass, whose
-    recompute records the same values)."""
-    if not (is_tracking(attention) and torch.is_grad_enabled()):
+    into the step's running max (no autograd graph; ``max_logits``'s arguments). A no-op
+    unless tracked, for a forward without grad (an evaluation; reentrant checkpointing's
+    first pass, whose recompute records the same values) and for non-reentrant
+    checkpointing's recompute (its forward recorded them already)."""
+    if not _records(attention):
         return
     with torch.no_grad():
-        now = max_logits(q.detach(), k.detach(), causal=causal, scale=scale)
+        now = max_logits(q.detach(), k.detach(), causal=causal, scale=scale, mask=mask)
+    _fold(attention, now, k.shape[1])
+
+
+def _records(attention) -> bool:
+    return is_tracking(attention) and torch.is_grad_enabled() and not _recomputing()
+
+
+def _fold(attention, now: torch.Tensor, kv_heads: int) -> None:
     running = getattr(attention, _MAX_ATTR)
     setattr(attention, _MAX_ATTR, now if running is None else torch.maximum(running, now))
-    attention._dmuon_kv_heads = k.shape[1]
+    attention._dmuon_kv_heads = kv_heads
+
+
+def _recomputing() -> bool:
+    """Whether this forward is non-reentrant checkpointing's recompute: the saved-tensor
+    hooks on top are those torch.utils.checkpoint pushes for it (matched by their code,
+    not by name). Should torch change them, this answers False and the recompute
+    records the same maxima again: slower, never wrong."""
+    from torch.utils.checkpoint import _recomputation_hook
+
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    code = getattr(hooks[1], "__code__", None) if hooks else None
+    return code is not None and code in _recomputation_hook.__init__.__code__.co_consts
+
+
+_FLEX_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _use_flex(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``attention`` runs as one flex_attention kernel that also returns the max
+    scores: on CUDA only (torch 2.13's flex_attention refuses max scores and a backward
+    on the CPU), in the dtypes its Triton kernel takes (not float64), head_dim a power
+    of two from 16 to 256 (what its kernel tiles without padding)."""
+    return (device_type == "cuda" and dtype in _FLEX_DTYPES and 16 <= head_dim <= 256
+            and head_dim & (head_dim - 1) == 0)
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # uncompiled, flex_attention runs an unfused reference that materialises the scores
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def _causal(b, h, q_index, kv_index):
+    return q_index >= kv_index
+
+
+@functools.lru_cache(maxsize=8)  # a job's few sequence lengths: built once, not per layer
+def _causal_block_mask(t: int, s: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    with torch.no_grad():
+        return create_block_mask(_causal, None, None, t, s, device=device)
+
+
+def _flex_attention(q, k, v, causal: bool, scale: float | None):
+    """(output ``[B, H_q, T, D]``, per-query-head max logit ``[H_q]``, float32) from one
+    flex_attention kernel: its max scores are the row maxima of ``q . k * scale`` over
+    the attended keys, reduced here over batch and queries."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    block_mask = _causal_block_mask(q.shape[2], k.shape[2], q.device) if causal else None
+    out, aux = _compiled_flex()(q, k, v, block_mask=block_mask, scale=scale,
+                                enable_gqa=q.shape[1] != k.shape[1],
+                                return_aux=AuxRequest(max_scores=True))
+    return out, aux.max_scores.detach().amax(dim=(0, 2))
+
+
+def attention(module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+              causal: bool = True, scale: float | None = None) -> torch.Tensor:
+    """``softmax(q . k * scale) v`` (SDPA's ``is_causal``, GQA by broadcasting the key
+    heads: q ``[B, H_q, T, D]``, k and v ``[B, H_kv, S, D]``) with the max logits recorded
+    as ``record_max_logits`` records them. Where QK-clip tracks ``module``, grad is on and
+    ``_use_flex`` allows, one flex_attention kernel gives both (a recompute runs it too,
+    so it saves what its forward saved, and records nothing); else SDPA after the
+    fallback pass (``max_logits``) where it records."""
+    if is_tracking(module) and torch.is_grad_enabled() and \
+            _use_flex(q.device.type, q.dtype, q.shape[-1]):
+        out, now = _flex_attention(q, k, v, causal, scale)
+        if not _recomputing():
+            _fold(module, now, k.shape[1])
+        return out
+    record_max_logits(module, q, k, causal=causal, scale=scale)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:  # SDPA's enable_gqa measured 10-15 % slower in the CPU's fwd + bwd
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
 
 
 def scales(maxima: torch.Tensor, kv_heads: int, tau: float):

@@ -29,17 +29,32 @@ _PROJECTIONS = ("q_proj", "k_proj")
 
 def _recording_sdpa(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                     value: torch.Tensor, attention_mask, **kwargs):
-    """transformers' SDPA attention, after recording the heads' max logits: ``query``
-    after RoPE ``[B, H_q, T, D]``, ``key`` before the GQA repeat ``[B, H_kv, S, D]``.
-    The service trains on packed sequences (no padding), so the causal mask is the one
-    SDPA applies; a forward without grad (evaluation) records nothing."""
+    """transformers' SDPA attention, recording the heads' max logits: ``query`` after
+    RoPE ``[B, H_q, T, D]``, ``key`` before the GQA repeat ``[B, H_kv, S, D]``. The
+    service trains on packed sequences (no padding, ``attention_mask`` None: the causal
+    mask SDPA applies); there, without dropout, ``dmuon.qk_clip.attention`` runs it
+    (one flex_attention kernel on CUDA for the output and the maxima). A mask given is
+    folded into the max-logit pass. A forward without grad (evaluation) records nothing."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    dmuon.qk_clip.record_max_logits(module, query, key,
-                                    causal=getattr(module, "is_causal", True),
-                                    scale=kwargs.get("scaling"))
+    causal = attention_mask is None and getattr(module, "is_causal", True)
+    if attention_mask is None and not kwargs.get("dropout"):
+        out = dmuon.qk_clip.attention(module, query, key, value, causal=causal,
+                                      scale=kwargs.get("scaling"))
+        return out.transpose(1, 2).contiguous(), None  # HF's layout: [B, T, H, D]
+    dmuon.qk_clip.record_max_logits(module, query, key, causal=causal,
+                                    scale=kwargs.get("scaling"),
+                                    mask=_attended(attention_mask))
     return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, attention_mask,
                                            **kwargs)
+
+
+def _attended(attention_mask):
+    """SDPA's mask as booleans (True = attended): HF's float masks are additive, with
+    the dtype's least value on the masked pairs."""
+    if attention_mask is None or attention_mask.dtype == torch.bool:
+        return attention_mask
+    return attention_mask > torch.finfo(attention_mask.dtype).min
 
 
 def _attention_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

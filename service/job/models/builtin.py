@@ -68,21 +68,24 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        _report_max_logits(self, q, k)  # a no-op unless dmuon.Muon(qk_clip=...) wants them
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = _attention(self, q, k, v)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
-def _report_max_logits(attention: nn.Module, q: torch.Tensor, k: torch.Tensor) -> None:
-    """Per-head max of the logits softmax sees (q . k / sqrt(head_dim), after RoPE, causal),
-    folded into the step's running max that ``dmuon.Muon(qk_clip=...)`` reads."""
+def _attention(attention: nn.Module, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA over GQA heads; where ``dmuon.Muon(qk_clip=...)`` tracks the module,
+    ``dmuon.qk_clip.attention``, which also records each head's max logit (q . k /
+    sqrt(head_dim), after RoPE) from the attention kernel itself on CUDA."""
     import dmuon  # imported by whoever dedicated the model: a lookup, not a load
 
-    dmuon.qk_clip.record_max_logits(attention, q, k)
+    if dmuon.qk_clip.is_tracking(attention):
+        return dmuon.qk_clip.attention(attention, q, k, v)
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class MLP(nn.Module):
