@@ -15,6 +15,10 @@ d. ``dmuon.memory_report`` against ``torch.cuda.memory_allocated`` around one
    boundary's gather and free.
 e. Step time of DMuon against FSDP2 + fused AdamW at 1.03B params in bf16
    (``bench.gpu_step``).
+f. The MoE experts' backward, grouped (``F.grouped_mm``) against a select per expert
+   (``bench.gpu_experts``).
+g. QK-clip's max logits from ``flex_attention``'s max scores against the fallback, and
+   the max-logit pass's share of a layer's forward (``bench.gpu_qk_clip``).
 
 A check that raises is recorded with its error and the others still run (a lent device's
 minutes are few): ``--only`` reruns some. Prints one table and writes one dated record
@@ -40,14 +44,20 @@ from bench.gpu_checks import (
     stream_race,
     stream_race_rows,
 )
+from bench.gpu_experts import experts_backward_rows
+from bench.gpu_experts import table_rows as experts_rows
 from bench.gpu_ns import ns_errors
 from bench.gpu_ns import table_rows as ns_rows
+from bench.gpu_qk_clip import max_logit_rows
+from bench.gpu_qk_clip import table_rows as max_logit_table
 from bench.gpu_step import step_time, step_time_rows
 
 # name: (measure(device, tiny) -> dict, rows(dict) -> table rows)
 CHECKS = {"ns_error": (ns_errors, ns_rows), "stream_race": (stream_race, stream_race_rows),
           "compile": (compile_check, compile_rows), "memory": (memory_check, memory_rows),
-          "step_time": (step_time, step_time_rows)}
+          "step_time": (step_time, step_time_rows),
+          "experts_backward": (experts_backward_rows, experts_rows),
+          "max_logit": (max_logit_rows, max_logit_table)}
 
 
 def _join_group(device: torch.device) -> None:

@@ -33,7 +33,8 @@ from bench.gpu_ns import BACKENDS, DTYPES, SCALES, SHAPES
 from service.job.models.builtin import get_config, num_params
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CHECKS = {"ns_error", "stream_race", "compile", "memory", "step_time"}
+CHECKS = {"ns_error", "stream_race", "compile", "memory", "step_time", "experts_backward",
+          "max_logit"}
 TINY_PARAMS = 106_816
 BLOCK_MUON_BYTES = 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64)
 FP16_BOUND = 2e-2
@@ -73,7 +74,8 @@ def test_every_check_ran_and_every_row_is_in_the_record(record):
     assert {d for *_, d, _ in rows} == {str(d)[6:] for d in DTYPES}
     for line in ("| check | case | measured | verdict |", "| NS error vs float64 | 64x256 gram "
                  "float16 |", "| stream race", "| compile vs eager |", "| CUDA graphs under Z3 |",
-                 "| memory_report vs allocator | model.layers.0 gather |", "| step time |"):
+                 "| memory_report vs allocator | model.layers.0 gather |", "| step time |",
+                 "| experts backward |", "| QK-clip max logits | fallback"):
         assert line in printed and line in markdown, line
 
 
