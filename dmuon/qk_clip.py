@@ -317,3 +317,16 @@ class QKClip:
             comm.wait(comm.all_reduce_sum(count, tp_group, ledger, "tp", "step"))
         top_value, count_value = torch.cat([top, count]).tolist()  # one host sync
         self.max_logit, self.clipped_heads = top_value, int(count_value)
+
+
+def for_optimizer(state, tau, member_of: dict) -> QKClip | None:
+    """``dmuon.Muon(qk_clip=tau)``'s QK-clip over the dedicated model's attention modules
+    (``state``: its ``DedicatedModel``; ``member_of``: id(master) -> its partition
+    member), or None when tau is None or False."""
+    if tau is None or tau is False:
+        return None
+    model = state.model()
+    if model is None:
+        raise ValueError("dmuon.Muon(qk_clip=...) needs the dedicated model")
+    masters = {id(member_of[id(t)].param): t for t in state.owned_params.values()}
+    return QKClip(model, tau, masters)

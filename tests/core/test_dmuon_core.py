@@ -65,19 +65,19 @@ def _train(rank, world, z3, adjust_lr_fn, prefetch=1):
 @contextlib.contextmanager
 def _ns_calls():
     """The shape of every NS chain dmuon.Muon runs (its batch, rows, cols)."""
-    import dmuon.optim
+    import dmuon.ns_schedule
 
-    calls, real = [], dmuon.optim.newton_schulz
+    calls, real = [], dmuon.ns_schedule.newton_schulz
 
     def recording(G, *args, **kwargs):
         calls.append(tuple(G.shape))
         return real(G, *args, **kwargs)
 
-    dmuon.optim.newton_schulz = recording
+    dmuon.ns_schedule.newton_schulz = recording
     try:
         yield calls
     finally:
-        dmuon.optim.newton_schulz = real
+        dmuon.ns_schedule.newton_schulz = real
 
 
 @functools.cache

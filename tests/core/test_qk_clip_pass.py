@@ -76,7 +76,7 @@ def tracked(module):
 
 
 def recorded(module) -> torch.Tensor:
-    return getattr(module, "_dmuon_max_logits")
+    return module._dmuon_max_logits
 
 
 def qk(dtype=torch.float64):
@@ -182,7 +182,8 @@ def test_the_flex_call_gives_the_output_and_records_its_max_scores(monkeypatch):
         calls.append(kw)
         monkeypatch.setattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", True)  # eager
         with torch.no_grad():  # the CPU's flex refuses inputs that require grad
-            out = fa.flex_attention(q.detach(), k.detach(), v.detach(), block_mask=kw["block_mask"], scale=kw["scale"],
+            out = fa.flex_attention(q.detach(), k.detach(), v.detach(),
+                                    block_mask=kw["block_mask"], scale=kw["scale"],
                                     enable_gqa=kw["enable_gqa"])
         rows = torch.einsum("bhtd,bhsd->bhts", q.detach(), k.detach().repeat_interleave(
             HQ // HKV, dim=1)) * D ** -0.5
