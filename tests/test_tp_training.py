@@ -60,6 +60,9 @@ def test_llama_job_on_1x2x2_matches_reference_and_exports(tmp_path):
         assert records[-1]["layout"] == list(LAYOUT)
         assert records[-1]["coord"] == [0, rank // 2, rank % 2]
         assert records[-1]["bytes"]  # the ledger's bytes, tp included
+        # the packed buffers' high-water mark within the step, never below after it
+        peak, after = records[-1]["peak_memory"], records[-1]["memory"]
+        assert peak["packed_buffers"] >= max(after["packed_buffers"], 1), (peak, after)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export",
                                                                dtype=torch.float64)
     for name, tensor in loaded.state_dict().items():
