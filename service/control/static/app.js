@@ -116,6 +116,7 @@ function showFacts(job) {
   document.getElementById("job-title").textContent = `${job.name} (${job.id})`;
   document.getElementById("job-title").dataset.status = job.status;
   const p = job.partition;
+  const eta = etaText(job);  // a running job's alone
   const facts = {
     status: job.dry_run ? "dry run (planned, never run)" : job.status,
     model: modelName(job.spec.model), steps: job.spec.steps,
@@ -126,7 +127,7 @@ function showFacts(job) {
     "last step": job.steps?.size || 0,
     "skipped (non-finite)": skippedSteps(job),
     optimizer: optimizerText(job.spec),
-    ...(etaText(job) ? { ETA: etaText(job) } : {}),
+    ...(eta ? { ETA: eta } : {}),
     ...layoutFacts(job),
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)

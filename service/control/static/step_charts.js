@@ -20,7 +20,8 @@ const LEGEND_BELOW = { orientation: "h", x: 0, y: 0, yref: "container", yanchor:
 function stepAxis(steps, title = "step") {
   const lo = steps.length ? steps[0] : 0;
   const hi = steps.length ? steps[steps.length - 1] : 1;
-  return { title: { text: title }, tickformat: "d", range: lo < hi ? [lo, hi] : [lo - 0.5, hi + 0.5],
+  return { title: { text: title }, tickformat: "d",
+    range: lo < hi ? [lo, hi] : [lo - 0.5, hi + 0.5],
     dtick: Math.max(1, Math.ceil(steps.length / 8)) };
 }
 
