@@ -26,7 +26,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from . import checkpoint, normuon
 from .fqn import canonical_fqn, param_names
-from .full_state import full_owned, full_state_dict, raw_state_dict
+from .full_state import full_owned, full_state_dict, gather_whole, raw_state_dict
 from .meta_init import local_part
 from .model_state import get_state
 from .partition import whole_shape
@@ -236,7 +236,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None,
     names = param_names(model)
     for group in opt.param_groups:
         for p in group["params"] if group["kind"] == "adamw" else ():
-            out[names[id(p)]] = {k: v.full_tensor() if hasattr(v, "full_tensor") else v.clone()
+            out[names[id(p)]] = {k: gather_whole(v) if hasattr(v, "full_tensor") else v.clone()
                                  for k, v in opt.state[p].items()}
     groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": fqns}
               for g, fqns in zip(opt.param_groups, _group_names(model, opt))]

@@ -4,6 +4,7 @@ returning placeholders."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
@@ -15,6 +16,7 @@ from .fqn import canonical_fqn
 from .model_state import get_state
 
 _guard = threading.local()
+_REDISTRIBUTE_LOG = "torch.distributed.tensor._redistribute"  # DTensor's logger
 
 
 def units_by_key(plan) -> dict[str, list[str]]:
@@ -102,6 +104,34 @@ def full_owned(state, owned_tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+class _ExactGathers(logging.Filter):
+    """Drops DTensor's note that a redistribute runs "N sequential all_gather operations
+    ... and may give inconsistent results between ranks due to different reduction
+    orders": an all-gather reduces nothing, it only moves bytes, so every rank gets the
+    same exact tensor. Any other record (a reduce-scatter's or all-reduce's) passes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "sequential all_gather operations" not in record.getMessage()
+
+
+def gather_whole(value) -> torch.Tensor:
+    """A DTensor's full value (``full_tensor()``), without DTensor's warning about it.
+
+    An FSDP2 shard of a TP shard, (_StridedShard(0), Shard(0)), is gathered TP dim first,
+    then FSDP's: DTensor cannot merge those two all-gathers into one (the dims are not in
+    ascending order) and logs a warning on every rank that sounds like a wrong result.
+    Gathering one dim at a time by hand is no way out: DTensor's _StridedShard does not
+    unpad after a gather of its inner dim alone. So that one message is dropped, for
+    this call only (docs/jobs.md)."""
+    log = logging.getLogger(_REDISTRIBUTE_LOG)
+    quiet = _ExactGathers()
+    log.addFilter(quiet)
+    try:
+        return value.full_tensor()
+    finally:
+        log.removeFilter(quiet)
+
+
 @torch.no_grad()
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter and persistent buffer in full, by FQN, on every rank.
@@ -118,7 +148,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if key in owned_values:
             full[key] = owned_values[key].clone()
         elif hasattr(value, "full_tensor"):
-            tensor = value.full_tensor()
+            tensor = gather_whole(value)
             # on a shard dim of size 1 full_tensor() returns the live local shard itself
             aliased = tensor.data_ptr() == value.to_local().data_ptr()
             full[key] = tensor.clone() if aliased else tensor

@@ -77,8 +77,10 @@ def _dashboard(svc, path="/"):
 
 
 def _memory_colours(page) -> dict:
-    """{kind: the colour Plotly drew it in} of the memory chart as it stands."""
+    """{kind: the colour Plotly drew it in} of the memory chart's bars as it stands (not
+    the markers of each rank's peak within the step, which the prediction has not)."""
     return dict(page.evaluate("document.getElementById('memory-chart')._fullData"
+                              ".filter(t => t.type === 'bar')"
                               ".map(t => [t.name, t.marker.color])"))
 
 
@@ -96,8 +98,9 @@ def _watch_dashboard(page, svc, job_id, held_step) -> dict:
                            f"{seen}", timeout=60_000)
     assert page.locator("#ownership-chart .barlayer .point").count() == WORLD
     assert "planned on\nthe cluster's 1 node" in page.locator("#job-facts").inner_text()
+    # the bars (the markers beside them are each rank's peak within the step)
     memory = page.evaluate("document.getElementById('memory-chart').data"
-                           ".map(t => new Set(t.x).size)")
+                           ".filter(t => t.type === 'bar').map(t => new Set(t.x).size)")
     assert memory and all(n == WORLD for n in memory)  # stacked kinds, a bar per rank
     assert page.locator("#memory-chart .barlayer .trace").count() == len(memory)
     assert page.locator("#memory-caption").inner_text().startswith(

@@ -2,14 +2,20 @@
 issue 43 item 10: a chart's right-axis tick labels are not under its legend (their boxes
 against the legend's, as the page lays them out), the token form stays in view wherever
 the page is scrolled, and the log view shows the log once the token is entered, without
-closing and reopening it. Reads are public here (the default); the log needs the token."""
+closing and reopening it. Reads are public here (the default); the log needs the token.
+Issue 53: an MoE job's matrices are named as the partition names them, every rank's
+are in view at 4 ranks, a QK-clip job has its own chart with tau, the header names the
+optimizer, right-axis ticks are round, the x axes span the steps run (titled), the
+memory chart shows each rank's peak within the step, and a running job has an ETA."""
 
 from __future__ import annotations
 
+import math
 import os
+import re
 
 import pytest
-from _browser import ARTIFACTS, page_with_errors
+from _browser import ARTIFACTS, job_page, page_with_errors
 from _http import Service
 
 STEPS, RANKS = 20, 4
@@ -44,6 +50,30 @@ def job(svc):
                 "lr": {"muon": 0.02 * s / STEPS, "adamw": 0.003 * s / STEPS},
                 "grad_norm": 1000.0 + 1234.5 * s, "tokens_per_s_total": 5000.0 + 10 * s,
                 "mfu": 0.3 + s / 1000, "step_time_s": 0.1}
+               for s in range(1, STEPS + 1) for r in range(RANKS)]
+    assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)[1] == {
+        "inserted": STEPS * RANKS}
+    return job
+
+
+TAU, PACKED_PEAK = 100, 4096
+AFTER = {"packed_buffers": 0, "owned_params": 1000, "momentum": 500, "fsdp_shards": 200,
+         "adamw_state": 300}
+
+
+@pytest.fixture(scope="module")
+def moe_job(svc):
+    """The built-in MoE on 1 x 4 with NorMuon and QK-clip (tau 100), and its ranks'
+    records: a max logit that crosses tau at step 11 (2 heads clipped from there), the
+    memory after each step with Z3's packed buffers freed, and their peak within it."""
+    spec = {"model": "small-moe", "steps": STEPS, "layout": {"replicate": 1, "shard": RANKS},
+            "optimizer": {"variant": "normuon", "qk_clip": {"tau": TAU}}}
+    status, job = svc.request("POST", "/v1/jobs", {"spec": spec, "dry_run": True})
+    assert status == 201, job
+    records = [{"job_id": job["id"], "step": s, "rank": r, "loss": 5.0 - s / 10,
+                "grad_norm": 1.0, "max_logit": 80.0 + 2 * s, "clipped_heads": 2 * (s > 10),
+                "memory": AFTER, "peak_memory": {"packed_buffers": PACKED_PEAK + r},
+                "step_time_s": 0.1}
                for s in range(1, STEPS + 1) for r in range(RANKS)]
     assert svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)[1] == {
         "inserted": STEPS * RANKS}
@@ -120,3 +150,100 @@ def test_the_log_view_shows_the_log_once_the_token_is_entered(svc, job):
     assert refused and all(header is None for header in refused), sent
     assert sent[len(refused):] and all(h == bearer for h in sent[len(refused):]), sent
     assert errors and all("401" in e for e in errors), errors  # only the refusals
+
+
+def _texts(page, selector: str) -> list[str]:
+    return page.locator(selector).all_text_contents()  # SVG text has no innerText
+
+
+def test_an_moe_jobs_owners_are_named_as_rest_names_them_all_ranks_in_view(svc, moe_job):
+    partition = svc.request("GET", f"/v1/jobs/{moe_job['id']}/partition")[1]
+    assert "model.layers.0.mlp.experts.gate_proj[0:2]" in partition["params"]
+    with job_page(svc.url, moe_job["id"], "optimizer") as (page, facts):
+        page.wait_for_function("document.querySelectorAll('#owners h3').length === 4")
+        owners = page.locator("#owners").inner_text()
+        box = page.evaluate("(() => { const e = document.getElementById('owners');"
+                            " return [e.scrollHeight, e.clientHeight]; })()")
+        page.locator("#owners").screenshot(path=os.path.join(ARTIFACTS, "owners.png"))
+    assert "gate_proj[0:2]" in owners and "experts, experts" not in owners, owners
+    assert "q_proj" in owners  # a dense matrix: its module's name
+    assert box[0] <= box[1], box  # all 4 ranks without scrolling
+
+
+def test_a_qk_clip_job_has_its_chart_with_tau_and_the_header_names_the_optimizer(
+        svc, moe_job):
+    with job_page(svc.url, moe_job["id"], "optimizer") as (page, facts):
+        page.wait_for_function("document.querySelectorAll('#qk-chart .legendtext')"
+                               ".length === 3", timeout=30_000)
+        legend = _texts(page, "#qk-chart .legendtext")
+        lr_legend = _texts(page, "#lr-chart .legendtext")
+        tau = page.evaluate("document.getElementById('qk-chart').data"
+                            ".find((t) => t.name.startsWith('tau')).y")
+        page.screenshot(path=os.path.join(ARTIFACTS, "dashboard-qk-clip.png"), full_page=True)
+    assert legend == ["max logit", f"tau {TAU}", "clipped heads"], legend
+    assert tau == [TAU, TAU]
+    assert "max logit" not in lr_legend, lr_legend  # no longer on the gradient norm's axis
+    assert f"optimizer\nnormuon, NS gram dtype by device, QK-clip tau {TAU}" in facts, facts
+
+
+def test_the_memory_chart_shows_each_ranks_peak_within_the_step(svc, moe_job):
+    with job_page(svc.url, moe_job["id"], "optimizer") as (page, _):
+        page.wait_for_function("document.getElementById('memory-caption').textContent"
+                               ".includes('measured')", timeout=30_000)
+        peak = page.evaluate("document.getElementById('memory-chart').data"
+                             ".find((t) => t.name === 'peak in step').y")
+    # the kinds after the step, with the packed buffers at their high-water mark
+    assert peak == [sum(AFTER.values()) + PACKED_PEAK + r for r in range(RANKS)], peak
+
+
+def _number(label: str) -> float:
+    scale = {"k": 1e3, "M": 1e6, "G": 1e9, "m": 1e-3, "\u00b5": 1e-6}
+    text = label.replace("\u2212", "-").replace(",", "")
+    return float(text[:-1]) * scale[text[-1]] if text[-1] in scale else float(text)
+
+
+def _round_ticks(values: list[float]) -> bool:
+    """Equally spaced by 1, 2, 2.5 or 5 times a power of ten."""
+    steps = {round(b - a, 9) for a, b in zip(values, values[1:])}
+    if len(steps) != 1:
+        return False
+    step = abs(steps.pop())
+    mantissa = step / 10 ** math.floor(math.log10(step))
+    return any(math.isclose(mantissa, m) for m in (1, 2, 2.5, 5))
+
+
+@pytest.mark.parametrize("chart", ["lr-chart", "throughput-chart"])
+def test_right_axis_ticks_are_round_and_x_axes_span_the_steps(svc, job, chart):
+    with job_page(svc.url, job["id"], "dry run") as (page, _):
+        page.wait_for_function(f"document.querySelectorAll('#{chart} .y2tick text').length"
+                               " > 1", timeout=30_000)
+        right = _texts(page, f"#{chart} .y2tick text")
+        axes = page.evaluate("""() => Object.fromEntries(
+          ['loss-chart', 'throughput-chart', 'lr-chart', 'steptime-chart'].map((id) => {
+            const x = document.getElementById(id)._fullLayout.xaxis;
+            return [id, [x.range, x.title.text]]; }))""")
+    assert _round_ticks([_number(t) for t in right]), right
+    for chart_id, (span, title) in axes.items():
+        assert span == [1, STEPS] and title == "step", (chart_id, span, title)
+
+
+def test_a_running_job_shows_its_eta(svc, job):
+    """A job as ``ray job submit`` registers it (RUNNING; no Ray here, so written to the
+    store as the route does) with 5 of its 20 steps at 2 s: 15 steps left, 30 s."""
+    from service.control.store import JobStore
+
+    store = JobStore(f"sqlite:///{svc.env['DMUON_DB']}")
+    try:
+        planned = store.get_job(job["id"])
+        running = store.register_job("eta-job", "eta-job", planned["spec"], planned["plan"],
+                                     "unused")
+    finally:
+        store.close()
+    times = {1: 5.0, 2: 2.0, 3: 2.0, 4: 1.9, 5: 2.1}  # the first step's build: the median
+    records = [{"job_id": running["id"], "step": s, "rank": r, "loss": 5.0,
+                "step_time_s": t} for s, t in times.items() for r in range(RANKS)]
+    assert svc.request("POST", f"/v1/jobs/{running['id']}/metrics", records)[1] == {
+        "inserted": 5 * RANKS}
+    with job_page(svc.url, running["id"], "ETA") as (page, facts):
+        page.screenshot(path=os.path.join(ARTIFACTS, "dashboard-running-eta.png"))
+    assert re.search(r"ETA\n30 s \(15 steps at 2\.00 s, about ", facts), facts

@@ -63,7 +63,9 @@ class StepRecord(BaseModel):
         default_factory=list, max_length=1 << 16)
     lr: dict[text(16), Number] = Field(default_factory=dict, max_length=8)  # per group kind
     bytes: dict[text(64), Count | float] = Field(default_factory=dict, max_length=64)
-    memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)
+    memory: dict[text(64), Count] = Field(default_factory=dict, max_length=64)  # after it
+    # within the step: packed_buffers' high-water mark, a GPU's peak allocated bytes
+    peak_memory: dict[text(64), Count | None] = Field(default_factory=dict, max_length=8)
     rss_bytes: Count | None = None
     time: Number = None
     # (r, s), or (r, s, t) under tensor parallelism

@@ -1,5 +1,6 @@
 """One rank's record of one step: loss, throughput (tokens/s on this rank and in total),
-model FLOPs utilisation, LR per group, gradient norm, bytes moved and memory."""
+model FLOPs utilisation, LR per group, gradient norm, bytes moved and memory (after the
+step, and its peak within the step)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
+from dmuon.model_state import get_state
 from service.job.models.experts import experts_per_token, is_expert
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), FLOP/s per GPU
@@ -43,6 +45,22 @@ def peak_flops(spec_peak_tflops: float | None, device: torch.device) -> float | 
     return None
 
 
+def step_peak(model) -> dict:
+    """This rank's peak bytes within the step just run, beside ``memory`` (taken after
+    it, when Z3 has freed every packed buffer): ``packed_buffers``, the most DMuon's
+    gather buffers held at once (its boundary hooks' trace, kept from one record to the
+    next; None at the first record, before the trace ran), and on a GPU ``allocated``,
+    torch's peak of allocated bytes, reset here for the next step."""
+    state = get_state(model)
+    trace, state.memory_trace = state.memory_trace, []
+    peak = {"packed_buffers": max((b for _, b in trace), default=0)
+            if trace is not None else None}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak["allocated"] = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    return peak
+
+
 def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: int,
                 global_tokens: int, flops_token: float, peak: float | None,
                 lr: dict, grad_norm: float | None) -> dict:
@@ -61,6 +79,7 @@ def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: i
         "bytes": {f"{dim}.{phase}": n for dim, phases in ledger.items()
                   for phase, n in phases.items()},
         "memory": dmuon.memory_report(model, opt),
+        "peak_memory": step_peak(model),
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "time": time.time(),
     }

@@ -3,13 +3,6 @@
 "use strict";
 
 const state = { token: localStorage.getItem("dmuonToken") || "", job: null, stream: null };
-const CHART = { displayModeBar: false, responsive: true };
-const MARGIN = { l: 60, r: 10, t: 10, b: 40 };
-// a chart with a right axis: room for its tick labels, and the legend under the plot
-// (at plotly's default place, right of the plot, it covered those labels)
-const RIGHT_AXIS = { overlaying: "y", side: "right", automargin: true };
-const RIGHT_MARGIN = { ...MARGIN, r: 60 };
-const LEGEND_BELOW = { orientation: "h", x: 0, y: -0.15, yanchor: "top" };
 
 async function api(path, options = {}) {
   const headers = { ...(options.headers || {}) };
@@ -123,6 +116,7 @@ function showFacts(job) {
   document.getElementById("job-title").textContent = `${job.name} (${job.id})`;
   document.getElementById("job-title").dataset.status = job.status;
   const p = job.partition;
+  const eta = etaText(job);  // a running job's alone
   const facts = {
     status: job.dry_run ? "dry run (planned, never run)" : job.status,
     model: modelName(job.spec.model), steps: job.spec.steps,
@@ -132,6 +126,8 @@ function showFacts(job) {
     imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
     "last step": job.steps?.size || 0,
     "skipped (non-finite)": skippedSteps(job),
+    optimizer: optimizerText(job.spec),
+    ...(eta ? { ETA: eta } : {}),
     ...layoutFacts(job),
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
@@ -211,14 +207,12 @@ function drawOwnership(partition) {
   }], { margin: MARGIN, yaxis: { title: { text: "elements" } } }, CHART);
 }
 
-function drawMemory(perRank, source) {
-  document.getElementById("memory-caption").textContent = `Memory per rank by kind (${source})`;
-  Plotly.react("memory-chart", memoryKinds(perRank).map((kind) => ({
-    type: "bar", name: kind, x: rankLabels(perRank.length), marker: { color: kindColour(kind) },
-    y: perRank.map((m) => m[kind] || 0),
-    hovertemplate: `%{x} ${kind}: %{y:,} B<extra></extra>`,
-  })), { barmode: "stack", margin: MARGIN, legend: { orientation: "h", y: -0.2 },
-         yaxis: { title: { text: "bytes" } } }, CHART);
+// a unit as the partition (REST) names it, less its layer and a trailing .weight:
+// q_proj, or an expert slice gate_proj[0:2] (its name's last part, not "experts")
+function unitLabel(name) {
+  const parts = name.split(".");
+  return ["weight", "bias"].includes(parts[parts.length - 1]) && parts.length > 1
+    ? parts[parts.length - 2] : parts[parts.length - 1];
 }
 
 function drawOwners(partition) {
@@ -226,7 +220,7 @@ function drawOwners(partition) {
   box.replaceChildren(...ownedBy(partition).map((params, rank) => {
     const div = document.createElement("div");
     const layers = {};
-    for (const p of params) (layers[p.boundary] ||= []).push(p.name.split(".").slice(-2, -1)[0]);
+    for (const p of params) (layers[p.boundary] ||= []).push(unitLabel(p.name));
     const where = partition.ranks[rank] ? ` (${partition.ranks[rank].coord.join(",")})` : "";
     div.innerHTML = `<h3>rank ${rank}${esc(where)}: ${params.length} matrices</h3>` + Object.entries(layers)
       .map(([layer, names]) => `<div>${esc(layer)}: ${esc(names.join(", "))}</div>`).join("");
@@ -234,13 +228,8 @@ function drawOwners(partition) {
   }));
 }
 
-// whole steps only, at most about eight ticks
-const stepAxis = (steps, title) => ({
-  title: { text: title || "" }, tickformat: "d", dtick: Math.max(1, Math.ceil(steps.length / 8)),
-});
-
-const METRIC_CHARTS = ["loss-chart", "throughput-chart", "lr-chart", "steptime-chart",
-  "bytes-chart"];
+const METRIC_CHARTS = ["loss-chart", "throughput-chart", "lr-chart", "qk-chart",
+  "steptime-chart", "bytes-chart"];
 
 // over the ranks with a finite loss (a non-finite one is stored as null), as the
 // trackers log it; null when no rank has one
@@ -253,6 +242,7 @@ function drawMetrics() {
   const job = state.job;
   const waiting = waitingFor(job);
   if (waiting) {
+    document.getElementById("qk-figure").hidden = qkTau(job) == null;
     drawWaiting(METRIC_CHARTS, waiting);
     showFacts(job);
     return;
@@ -266,27 +256,23 @@ function drawSteps(job) {
   const first = (s, key) => job.steps.get(s).find((r) => r[key] != null)?.[key] ?? null;
   const valSteps = steps.filter((s) => first(s, "val_loss") != null);
   Plotly.react("loss-chart", [{
-    type: "scatter", mode: "lines+markers", name: "loss", x: steps,
+    type: "scatter", mode: "lines+markers", name: "loss", x: steps, cliponaxis: false,
     y: steps.map((s) => meanLoss(job.steps.get(s))),
   }, {
-    type: "scatter", mode: "lines+markers", name: "val loss", x: valSteps,
+    type: "scatter", mode: "lines+markers", name: "val loss", x: valSteps, cliponaxis: false,
     y: valSteps.map((s) => first(s, "val_loss")),
-  }], { margin: MARGIN, xaxis: stepAxis(steps, "step") }, CHART);
+  }], { margin: MARGIN, xaxis: stepAxis(steps) }, CHART);
   drawThroughput(steps, first);
   const lrKinds = [...new Set(steps.flatMap((s) => Object.keys(first(s, "lr") || {})))];
-  // QK-clip's largest max logit of the step, beside the gradient norm (jobs with qk_clip)
-  const maxLogit = steps.map((s) => first(s, "max_logit"));
-  const qkClip = maxLogit.some((v) => v != null) ? [{
-    type: "scatter", mode: "lines", name: "max logit", x: steps, yaxis: "y2", y: maxLogit,
-  }] : [];
   Plotly.react("lr-chart", [...lrKinds.map((kind) => ({
     type: "scatter", mode: "lines", name: `lr ${kind}`, x: steps,
     y: steps.map((s) => (first(s, "lr") || {})[kind] ?? null),
   })), {
     type: "scatter", mode: "lines", name: "grad norm", x: steps, yaxis: "y2",
     y: steps.map((s) => first(s, "grad_norm")),
-  }, ...qkClip], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
+  }], { margin: RIGHT_MARGIN, legend: LEGEND_BELOW, xaxis: stepAxis(steps),
          yaxis2: RIGHT_AXIS }, CHART);
+  drawQkClip(job, steps, first);
   const world = job.partition.ranks.length;
   Plotly.react("steptime-chart", [...Array(world).keys()].map((rank) => ({
     type: "scatter", mode: "lines", name: `rank ${rank}`, x: steps,
@@ -295,7 +281,8 @@ function drawSteps(job) {
   CHART);
   const latest = [...Array(world).keys()].map((rank) => job.latest.get(rank));
   if (world && latest.every(Boolean)) {  // a deferred plan has no ranks yet
-    drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}`);
+    drawMemory(latest.map((r) => r.memory), `measured at step ${latest[0].step}; `
+      + "bars: after the step", latest.map((r) => r.peak_memory || {}));
     const phases = [...new Set(latest.flatMap((r) => Object.keys(r.bytes)))];
     Plotly.react("bytes-chart", phases.map((phase) => ({
       type: "bar", name: phase, x: rankLabels(world), y: latest.map((r) => r.bytes[phase] || 0),
