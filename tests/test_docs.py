@@ -359,3 +359,23 @@ def test_benchmark_tables_come_from_tracked_dated_records():
                                          (ROOT / sources[0]).read_text(), re.M).groups()
         assert sources[0] == f"bench/results/{bench}_{machine}_{date}.md" and sources[0] in page
         assert sources[0][:-3] + ".json" in tracked
+
+
+def _modules_missing(root: pathlib.Path, page: str) -> list[str]:
+    return [str(p.relative_to(root)) for top in ("dmuon", "service")
+            for p in sorted((root / top).rglob("*.py"))
+            if p.name != "__init__.py" and p.name not in page]
+
+
+def test_architecture_page_names_every_module():
+    """Every module under dmuon/ and service/ (``__init__.py`` aside) is named on
+    docs/architecture.md by its file name: a module added without a line there fails."""
+    assert _modules_missing(ROOT, (ROOT / "docs" / "architecture.md").read_text()) == []
+
+
+def test_a_module_left_off_the_architecture_page_fails_the_check(tmp_path):
+    (tmp_path / "dmuon").mkdir()
+    (tmp_path / "service").mkdir()
+    for name in ("__init__.py", "listed.py", "unlisted.py"):
+        (tmp_path / "dmuon" / name).write_text("")
+    assert _modules_missing(tmp_path, "listed.py  the one named") == ["dmuon/unlisted.py"]
