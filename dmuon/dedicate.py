@@ -276,6 +276,13 @@ def dedicate_params(
     mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
     plan = _plan_to_run(plan, entries, mesh.size(), replicate_mesh.size() if replicate_mesh
                         is not None else 1, model_ep(model, predicate))
+    return _build(model, plan, mesh, replicate_mesh, mp_policy,
+                  reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+
+
+def _build(model: nn.Module, plan: DedicationPlan, mesh, replicate_mesh, mp_policy, *,
+           reshard_after_forward: bool, prefetch: int) -> DedicationPlan:
+    """This rank's groups (warmed), boundaries and ``DedicatedModel``, attached."""
     comms = Communicators()
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None), comms)
     expert_ctx = _expert_context(ctx, mesh, plan.ep_size, comms) if plan.ep_size > 1 else None

@@ -20,13 +20,13 @@ def no_sync(model: nn.Module):
     repeated backward passes accumulate too, each one reducing its own gradient."""
     state = get_state(model)
     fsdp_modules = [m for m in model.modules() if hasattr(m, "set_requires_gradient_sync")]
-    state.reduce.sync = False
+    state.set_gradient_sync(False)
     for m in fsdp_modules:
         m.set_requires_gradient_sync(False, recurse=False)
     try:
         yield
     finally:
-        state.reduce.sync = True
+        state.set_gradient_sync(True)
         for m in fsdp_modules:
             m.set_requires_gradient_sync(True, recurse=False)
 

@@ -96,6 +96,13 @@ class DedicatedModel:
         if self.memory_trace is not None:
             self.memory_trace.append((event, self.live_packed_bytes()))
 
+    def take_packed_peak(self) -> int | None:
+        """The most bytes the packed buffers held at once since the last call (None at
+        the first call, which starts the trace): a step's Z3 peak, which ``memory_report``
+        after the step cannot see."""
+        trace, self.memory_trace = self.memory_trace, []
+        return max((b for _, b in trace), default=0) if trace is not None else None
+
     def mark_initialised(self) -> None:
         """``dmuon.materialize`` gave every dedicated param its values."""
         self.needs_init = False
@@ -120,6 +127,10 @@ class DedicatedModel:
 
     def end_backward(self) -> None:
         self.iteration.end_backward()
+
+    def set_gradient_sync(self, sync: bool) -> None:
+        """``no_sync``: whether a backward's gradients are reduced (False: summed here)."""
+        self.reduce.sync = sync
 
     def adopt_mp_policy(self, policy) -> None:
         """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy for both kinds
@@ -164,7 +175,7 @@ class DedicatedModel:
         landed before it is yielded, so the owner can work on it while later ones are
         still on the wire."""
         self.end_backward()
-        self.reduce.prepare_step(self._fsdp2_nonfinite())
+        self.reduce.prepare_step(_fsdp2_nonfinite(self.model()))
         for b in reversed(self.boundaries):
             self.reduce.land(b)
             yield b
@@ -182,17 +193,6 @@ class DedicatedModel:
         if model is not None:
             _drop_fsdp2_unreduced_gradients(model)
 
-    def fsdp2_gradients(self) -> list[torch.Tensor]:
-        """This rank's FSDP2 gradient shards (local tensors)."""
-        model = self.model()
-        grads = [p.grad for p in model.parameters() if not is_dedicated(p)
-                 and p.grad is not None] if model is not None else []
-        return [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-
-    def _fsdp2_nonfinite(self) -> torch.Tensor | None:
-        count = count_nonfinite(self.fsdp2_gradients())
-        return None if count is None else (count > 0).float()
-
     def after_step(self, replicate_async: bool) -> None:
         for b in self.boundaries:
             b.transfer.wait_gather()
@@ -207,6 +207,14 @@ class DedicatedModel:
         """Wait for pending replicate all-gathers (before anything reads column values)."""
         for b in self.boundaries:
             b.transfer.wait_replicate()
+
+
+def _fsdp2_nonfinite(model: nn.Module | None) -> torch.Tensor | None:
+    """Whether this rank's FSDP2 gradient shards hold a NaN or an inf (None: none)."""
+    grads = [p.grad for p in model.parameters() if not is_dedicated(p)
+             and p.grad is not None] if model is not None else []
+    count = count_nonfinite(g.to_local() if hasattr(g, "to_local") else g for g in grads)
+    return None if count is None else (count > 0).float()
 
 
 def check_dedicated(state: DedicatedModel) -> None:

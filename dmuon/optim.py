@@ -77,8 +77,7 @@ class Muon(torch.optim.Optimizer):
                              adjust_lr_fn=adjust_lr_fn, variant=variant, beta2=beta2)
         adamw_defaults = dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                               weight_decay=adamw_weight_decay)
-        check_args(muon_defaults)
-        check_adamw_args(adamw_defaults)
+        check_args(muon_defaults), check_adamw_args(adamw_defaults)
         groups, self._state = user_groups(params, param_groups)
         check_dedicated(self._state)
         self.replicate_async, self.skip_nonfinite = replicate_async, skip_nonfinite

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from torch import nn
 
 import dmuon
-from dmuon.model_state import get_state
 from service.job.models.experts import experts_per_token, is_expert
 
 # Dense bf16 tensor-core peaks from NVIDIA's datasheets (SXM parts), FLOP/s per GPU
@@ -51,10 +50,7 @@ def step_peak(model) -> dict:
     gather buffers held at once (its boundary hooks' trace, kept from one record to the
     next; None at the first record, before the trace ran), and on a GPU ``allocated``,
     torch's peak of allocated bytes, reset here for the next step."""
-    state = get_state(model)
-    trace, state.memory_trace = state.memory_trace, []
-    peak = {"packed_buffers": max((b for _, b in trace), default=0)
-            if trace is not None else None}
+    peak = {"packed_buffers": dmuon.get_state(model).take_packed_peak()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         peak["allocated"] = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
