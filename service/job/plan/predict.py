@@ -145,6 +145,11 @@ def _clip_bytes(spec: JobSpec, n: int, r: int, master: int, t: int = 1) -> dict[
     return out
 
 
+def _row_moments(spec: JobSpec) -> bool:
+    """NorMuon keeps a second moment per row of each owned matrix (``dmuon.normuon``)."""
+    return spec.optimizer.variant == "normuon"
+
+
 def _gram_elt(spec: JobSpec, master: int) -> int:
     """Bytes per element of the Gram matrices NS over TP shards all-reduces: the spec's
     ``ns_gram_dtype``, else its ``ns_dtype``, else ``dmuon``'s default (fp16 for Gram NS
@@ -286,7 +291,8 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
         ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}
                   for d, p in ledger.items()}
         memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=elt,
-                                           master_bytes=master),
+                                               master_bytes=master,
+                                               row_moments=_row_moments(spec)),
                   "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
         ranks.append(RankPrediction(
@@ -331,7 +337,7 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
     for rank in range(world):
         fsdp, adamw = fsdp_by_index[rank % shard]
         held = planning.memory_prediction(plan, rank, z3=True, param_bytes=elt,
-                                          master_bytes=master)
+                                          master_bytes=master, row_moments=_row_moments(spec))
         grads = elements[rank] * master + fsdp
         worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
                     + grads)
