@@ -87,16 +87,75 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
             assert rank.memory["packed_buffers"] == (p_m * elt if mode == "z2" else 0)
             # Z3: the running layer and the one prefetched
             assert rank.packed_peak == (p_m * elt if mode == "z2" else 2 * layer * elt)
-        assert "Z2 packed GB" in placement.table() and "Z3 peak GB" in placement.table()
+        # the packed peak's column names the mode it is the peak of
+        assert "Z2 packed GB" in placement.table()
+        assert f"peak GB ({mode.upper()})" in placement.table()
 
 
-def test_planner_cli_prints_the_table():
-    proc = subprocess.run([sys.executable, "-m", "service.job.plan", "--model", "llama3-70b",
-                           "--nodes", "8", "--gpus-per-node", "8"],
-                          capture_output=True, text=True, timeout=120)
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "service.job.plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_planner_cli_says_it_fits_first():
+    proc = _plan_cli("--model", "llama3-8b", "--nodes", "1", "--mode", "auto")
     assert proc.returncode == 0, proc.stderr
+    first, *rest = proc.stdout.splitlines()
+    assert first.startswith("fits: peak ") and "of 80 GB per rank" in first, first
+    assert rest[0].startswith("layout 1 x 8 (replicate x shard) on 1 node;")  # no "1 nodes"
+
+
+def test_planner_cli_says_a_layout_does_not_fit_and_the_smallest_that_does():
+    proc = _plan_cli("--model", "llama3-70b", "--nodes", "8", "--gpus-per-node", "8",
+                     "--mode", "auto")
+    assert proc.returncode == 1, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("does not fit: peak 230.8 GB of 80 GB per rank (Z3"), first
+    assert first.endswith("the smallest layout that fits is 8 nodes x 8 GPUs with --tp 8 "
+                          "(layout 8 x 1 x 8, Z3, peak 58.8 GB)"), first
     assert "layout 8 x 8 (replicate x shard) on 8 nodes" in proc.stdout
-    assert "Z3 " in proc.stdout and "peak" in proc.stdout
+    assert "even Z3 needs 230.8 GB" in proc.stdout  # the tree's step 2, after "> 10B"
+
+
+def test_planner_cli_says_when_no_layout_fits():
+    proc = _plan_cli("--model", "llama3-8b", "--gpus-per-node", "1", "--batch-size", "64")
+    assert proc.returncode == 1, proc.stderr
+    assert "no layout fits on up to 256 nodes x 1 GPU " in proc.stdout.splitlines()[0]
+
+
+def test_planner_defaults_plan_every_model_it_names():
+    """small-moe's 256-token limit, not the 8192 default the others take."""
+    proc = _plan_cli("--model", "small-moe", "--nodes", "8", "--ep", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "layout 8 x 8, ep 8" in proc.stdout
+    assert _plan_cli("--model", "no-such-model").returncode == 2
+
+
+def test_planner_takes_a_hugging_face_config(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    for where in (tmp_path, tmp_path / "config.json"):
+        proc = _plan_cli("--model", str(where), "--nodes", "1", "--gpus-per-node", "2")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("fits: ") and "layout 1 x 2" in proc.stdout
+
+
+def test_the_records_moe_shapes_are_the_planners():
+    from bench import ep_plan
+    from service.job.plan.moe_shapes import MOE_SHAPES
+
+    assert ep_plan.MODELS is MOE_SHAPES
+    assert {"qwen3-30b-a3b", "kimi-k2-shape"} <= set(MOE_SHAPES)
+
+
+def test_planner_help_names_its_program():
+    proc = _plan_cli("--help")
+    assert proc.stdout.startswith("usage: python -m service.job.plan"), proc.stdout
 
 
 def _measure(rank, world, spec_data):
