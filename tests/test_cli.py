@@ -524,3 +524,15 @@ def test_list_shows_the_jobs_as_the_service_lists_them(svc, tmp_path):
     as_json = json.loads(_cli(svc, "list", "--json").stdout)
     assert as_json == svc.request("GET", "/v1/jobs")[1]
     assert _cli(svc, "list", "--status", "DONE").returncode == 2
+
+
+def test_plan_on_hypothetical_gpu_nodes_needs_no_service(tmp_path, capsys, monkeypatch):
+    """A GPU plan from this CPU machine: nothing listens at DMUON_URL, never asked."""
+    monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")
+    path = _spec_file(tmp_path, "job.json", {"model": "llama3-8b", "seq_len": 4096})
+    assert cli.main(["plan", path, "--nodes", "8", "--gpus-per-node", "8",
+                     "--gpu-memory-gb", "141"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "layout 8 x 8 (replicate x shard) on 8 nodes: 64 GPU workers"
+    assert lines[1] == "planned on 8 assumed nodes of 8 GPUs (given on the command line)"
+    assert "of 141.00 GB" in lines[3]

@@ -5,7 +5,7 @@
     dmuon-svc status [JOB_ID] [--json]
     dmuon-svc logs [-f] [--raw] JOB_ID
     dmuon-svc cancel JOB_ID
-    dmuon-svc plan job.yaml [--json]
+    dmuon-svc plan job.yaml [--json] [--nodes N --gpus-per-node G --gpu-memory-gb M]
     dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
     dmuon-svc prepare --tokenizer tokenizer.json --out DIR FILES...   (local, no service)
 
@@ -201,13 +201,28 @@ def cancel(job_id: str) -> int:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the plan document (layout, inventory, modes, per-rank "
                    "predictions, partition) as JSON instead of tables.")
-def plan(spec_file: str, as_json: bool) -> int:
+@click.option("--nodes", type=click.IntRange(1), metavar="N",
+              help="Plan on N hypothetical nodes, here, without the service.")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True,
+              help="With --nodes: the GPUs of each node (one per worker; 0: CPU workers).")
+@click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True),
+              help="With --nodes: one GPU's memory (default: the spec's "
+                   "dmuon.device_memory_gb, else 80).")
+def plan(spec_file: str, as_json: bool, nodes: int | None, gpus_per_node: int,
+         gpu_memory_gb: float | None) -> int:
     """Plan SPEC_FILE without a job: the layout, the mode and why, and per rank the
     owned Muon elements, Newton-Schulz FLOPs, bytes held by kind and bytes sent per
-    step by mesh dim and phase.
+    step by mesh dim and phase. With --nodes, on a hypothetical cluster of that many
+    nodes, on this machine (a GPU plan from a CPU machine; no service needed).
 
     {spec_files}
     """
+    if nodes is not None:
+        from .local_plan import local_plan
+
+        answer = local_plan(spec_file, nodes, gpus_per_node, gpu_memory_gb)
+        click.echo(json.dumps(answer) if as_json else plan_text(answer))
+        return 0
     answer = request("POST", "/v1/plan", _spec(spec_file))
     click.echo(json.dumps(answer) if as_json else plan_text(answer))
     return 0

@@ -117,7 +117,10 @@ def plan_summary(plan: dict) -> list[str]:
         mesh, dims = f"{mesh}, ep {lay['ep']}", f"{dims}; experts over ep"
     lines = [f"layout {mesh} ({dims}) on {_plural(lay['nodes'], 'node')}: {world} {kind} "
              "workers"]
-    if inv.get("source") == "assumed":
+    if inv.get("gpus_per_node") is not None:
+        lines.append(f"planned on {_plural(inv['nodes'], 'assumed node')} of "
+                     f"{_plural(inv['gpus_per_node'], 'GPU')} ({inv.get('reason')})")
+    elif inv.get("source") == "assumed":
         lines.append(f"planned on {_plural(inv['nodes'], 'assumed node')} of "
                      f"{inv.get('cpus_per_node')} CPUs ({inv.get('reason')})")
     elif inv:
