@@ -317,6 +317,11 @@ def main(argv=None) -> int:
     except SpecFileError as e:  # a spec file that does not parse: a usage error
         log.error("%s", e)
         return 2
-    except (ServiceError, SpecError, PackageError, OSError) as e:
+    except SpecError as e:  # one line per field a spec file gets wrong
+        # as a 422's: a head, then a line per field (the service refusing the same spec)
+        log.error("%s", "\n".join(["invalid job spec:", *(f"  {f}" for f in e.fields)])
+                  if e.fields else e)
+        return 1
+    except (ServiceError, PackageError, OSError) as e:
         log.error("%s", e)
         return 1
