@@ -212,12 +212,15 @@ def test_plan_needs_the_token_and_bodies_are_bounded_before_reading(svc):
     assert svc.request("POST", "/v1/plan", TINY, token=False)[0] == 401
     big = b'{"spec": {"name": "' + b"x" * (2 << 20) + b'"}}'
     for token in (False, True):
-        status, _ = svc.request("POST", "/v1/jobs", data=big, token=token)
+        status, answer = svc.request("POST", "/v1/jobs", data=big, token=token)
         assert status == 413, token
+        # JSON naming the limit, as every other refusal (not a bare text/plain 413)
+        assert answer == {"detail": "the request body is too large: POST /v1/jobs takes a "
+                                    "body of at most 64 KiB", "max_body_bytes": 65536}
     job = _dry(svc)
     fifty_mb = b"[" + b"1," * (25 << 20) + b"1]"
-    status, _ = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=fifty_mb)
-    assert status == 413
+    status, answer = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=fifty_mb)
+    assert status == 413 and answer["max_body_bytes"] == 4 << 20
 
 
 def test_empty_token_setting_and_an_open_public_bind_are_refused(tmp_path):
