@@ -260,7 +260,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
         mine = [r for r in records if r["step"] == int(step)]
         first = next(r for r in mine if r["rank"] == 0)
         assert loss == f"{sum(r['loss'] for r in mine) / 4:.4f}"
-        assert (muon, adamw) == (f"{first['lr']['muon']:.4f}", f"{first['lr']['adamw']:.4f}")
+        assert (muon, adamw) == (f"{first['lr']['muon']:.3e}", f"{first['lr']['adamw']:.3e}")
         assert seconds == f"{first['step_time_s']:.3f}"
     assert "Reporting training result" not in proc.stdout  # Ray Train's INFO: its files only
     summary = json.loads(next(line[line.index('{"'):] for line in proc.stdout.splitlines()
