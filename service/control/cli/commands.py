@@ -31,7 +31,7 @@ from service.job.spec import SpecError, load_spec
 from service.job.spec.spec_files import SpecFileError
 
 from .http import DEFAULT_URL, ServiceError, request
-from .output import failure_line, plan_text, reason_details, setup_logging
+from .output import failure_line, losses_line, plan_text, reason_details, setup_logging
 from .progress import follow
 
 __all__ = ["ServiceError", "follow", "main", "request"]
@@ -154,6 +154,8 @@ def _print_jobs(jobs: list[dict], details: bool) -> None:
     reason's further lines and last frames too)."""
     for job in jobs:
         click.echo(f"{job['id']}  {job['status']:<9}  {job['name']}")
+        if details and job.get("last"):
+            click.echo(f"  {losses_line(job['last'])}")
         failed = failure_line(job)
         if failed:
             click.echo(f"  {failed}")
