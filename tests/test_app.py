@@ -416,5 +416,13 @@ def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
         assert float(values[f"dmuon_job_mfu{{{label}}}"]) == 0.25
         assert float(values[f"dmuon_job_grad_norm{{{label}}}"]) == 1.5
         assert float(values[f'dmuon_job_lr{{group="muon",{label}}}']) == 0.04
+        # a step without validation: the series keeps step 2's value, not a gap
+        ingest(store, job_id, [StepRecord(job_id=job_id, step=3, rank=rank, loss=0.5)
+                               for rank in (0, 1)], "post")
+        text = generate_latest(registry_for(store)).decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                      if line.startswith("dmuon_job"))
+        assert float(values[f"dmuon_job_step{{{label}}}"]) == 3
+        assert float(values[f"dmuon_job_val_loss{{{label}}}"]) == 2.5
     finally:
         store.close()

@@ -90,13 +90,19 @@ def _last_losses(conn, job_id: str) -> dict | None:
     numbers = [v for v in losses if isinstance(v, (int, float))]
     out = {"step": step, "loss": sum(numbers) / len(numbers)
            if numbers and len(numbers) == len(losses) else None}
-    val = conn.execute(select(m.record).where(  # a record stored with a val_loss number
-        m.job_id == job_id, m.rank == 0, m.record.like('%"val_loss": %'),
-        m.record.not_like('%"val_loss": null%')).order_by(m.step.desc()).limit(1)).scalar()
-    if val is not None:
-        record = json.loads(val)
+    record = _last_validation(conn, job_id)
+    if record is not None:
         out.update(val_step=record["step"], val_loss=record.get("val_loss"))
     return out
+
+
+def _last_validation(conn, job_id: str) -> dict | None:
+    """Rank 0's newest record stored with a validation loss (a number, not null)."""
+    m = metrics.c
+    text = conn.execute(select(m.record).where(
+        m.job_id == job_id, m.rank == 0, m.record.like('%"val_loss": %'),
+        m.record.not_like('%"val_loss": null%')).order_by(m.step.desc()).limit(1)).scalar()
+    return json.loads(text) if text is not None else None
 
 
 class JobStore:
@@ -362,6 +368,11 @@ class JobStore:
                 metrics.c.job_id == job_id, metrics.c.step == step)
                 .order_by(metrics.c.rank)).all()
         return [json.loads(text) for (text,) in rows]
+
+    def last_validation(self, job_id: str) -> dict | None:
+        """Rank 0's newest record with a validation loss, or None."""
+        with self.reader.connect() as conn:
+            return _last_validation(conn, job_id)
 
     def metrics_after(self, job_id: str, cursor: int, limit: int = 1000):
         """(id, record) in arrival order after ``cursor``: an event stream's position,
