@@ -426,3 +426,16 @@ def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
         assert float(values[f"dmuon_job_val_loss{{{label}}}"]) == 2.5
     finally:
         store.close()
+
+
+def test_rays_websocket_closed_lines_stay_off_the_service_console():
+    import logging
+
+    import ray.dashboard.modules.job.sdk as sdk
+
+    from service.control.submitter import quiet_ray_sdk
+
+    quiet_ray_sdk()
+    assert logging.getLogger(sdk.__name__) is logging.getLogger("ray.dashboard.modules.job.sdk")
+    assert not logging.getLogger(sdk.__name__).isEnabledFor(logging.INFO)
+    assert logging.getLogger(sdk.__name__).isEnabledFor(logging.WARNING)
