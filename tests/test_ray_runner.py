@@ -289,6 +289,30 @@ def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_
     assert "no longer fits: 1 of the cluster's 1 alive node(s) can hold 2" in proc.stderr
 
 
+def test_a_local_head_leaves_no_multiprocessing_dir_behind(monkeypatch):
+    """The service's head (``dmuon-serve`` starts it so): Ray's dashboard runs a
+    multiprocessing forkserver, whose ``pymp-*`` dir stayed in /tmp once it was killed.
+    TMPDIR is a short dir of the test's own (Ray's socket paths must stay short)."""
+    import glob
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="dmt-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", tmp)
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
+    try:
+        head = LocalRayHead.start(num_cpus=1)
+        try:
+            assert head.temp_dir.startswith(tmp)
+            # the forkserver's dir, in the head's own temp dir
+            assert glob.glob(os.path.join(head.temp_dir, "tmp", "pymp-*"))
+        finally:
+            head.stop()
+        assert sorted(os.listdir(tmp)) == []  # no pymp-*, no head temp dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def test_second_local_head_on_the_same_machine_takes_jobs(head):
     """Two service-managed heads side by side (two services, or a head left over from an
     earlier one): each must have its own job agent, not a port the other holds."""
