@@ -55,10 +55,12 @@ from service.job.plan.document import PlanDocument  # noqa: E402
 from service.job.spec import SpecError, load_spec  # noqa: E402
 
 from . import register  # noqa: E402
+from .local_ray import init_local, shutdown_local  # noqa: E402
 
 
-def connect_ray(num_cpus: int | None = None) -> None:
-    """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback."""
+def connect_ray(num_cpus: int | None = None) -> str | None:
+    """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback;
+    the directory of a Ray started here (``local_ray``: removed at the end), else None."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -83,9 +85,9 @@ def connect_ray(num_cpus: int | None = None) -> None:
         # combine the two rather than refuse
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(runtime_env=runtime_env, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
-                 dashboard_host="127.0.0.1")
+        return None
+    return init_local(ray, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                      runtime_env=runtime_env, dashboard_host="127.0.0.1")
 
 
 def _plain_text(record: logging.LogRecord) -> bool:
@@ -301,7 +303,6 @@ def main(argv=None) -> int:
 def _run(args, spec, plan, inputs, token) -> int:
     from dmuon import PlanMismatch
     from service.job.models.params import ParamRuleError
-    from service.job.plan.layout_choice import PlacementError
 
     from .model_check import check_against_model
 
@@ -314,7 +315,20 @@ def _run(args, spec, plan, inputs, token) -> int:
         failure_reason(e, failed)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    connect_ray(local_cpus(spec, args.num_cpus))
+    local = connect_ray(local_cpus(spec, args.num_cpus))
+    try:
+        return _run_on_ray(args, spec, plan, inputs, token, job_id, failed)
+    finally:
+        if local is not None:  # the Ray started here, and its session directory
+            import ray
+
+            shutdown_local(ray, local)
+
+
+def _run_on_ray(args, spec, plan, inputs, token, job_id: str, failed: str) -> int:
+    from service.job.models.params import ParamRuleError
+    from service.job.plan.layout_choice import PlacementError
+
     signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}
