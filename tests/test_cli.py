@@ -526,34 +526,7 @@ def test_list_shows_the_jobs_as_the_service_lists_them(svc, tmp_path):
     assert _cli(svc, "list", "--status", "DONE").returncode == 2
 
 
-def test_plan_on_hypothetical_gpu_nodes_needs_no_service(tmp_path, capsys, monkeypatch):
-    """A GPU plan from this CPU machine: nothing listens at DMUON_URL, never asked."""
-    monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")
-    path = _spec_file(tmp_path, "job.json", {"model": "llama3-8b", "seq_len": 4096})
-    assert cli.main(["plan", path, "--nodes", "8", "--gpus-per-node", "8",
-                     "--gpu-memory-gb", "141"]) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "layout 8 x 8 (replicate x shard) on 8 nodes: 64 GPU workers"
-    assert lines[1] == "planned on 8 assumed nodes of 8 GPUs (given on the command line)"
-    assert "of 141.00 GB" in lines[3]
 
-
-def test_a_spec_with_two_bad_fields_prints_a_line_per_field(tmp_path, capsys):
-    path = tmp_path / "job.yaml"
-    path.write_text("model: tiny\noptimizer: {lr: -1, momentum: 7}\nclip_grad_norm: 0\n")
-    assert cli.main(["plan", str(path)]) == 1
-    err = capsys.readouterr().err.splitlines()
-    assert err[0] == "error: invalid job spec:"
-    assert [line.split(":")[0] for line in err[1:]] == [
-        "  spec.optimizer.lr", "  spec.optimizer.momentum", "  spec.clip_grad_norm"]
-    assert err[3].endswith("null turns clipping off")
-
-
-def test_a_missing_spec_file_is_a_usage_error(tmp_path, capsys):
-    missing = tmp_path / "nope.yaml"
-    assert cli.main(["submit", str(missing)]) == 2
-    assert capsys.readouterr().err == (f"error: {missing}: cannot read the spec file: "
-                                       "No such file or directory\n")
 
 
 def test_status_of_a_finished_job_shows_its_final_loss_and_val_loss(svc, tmp_path):

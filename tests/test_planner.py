@@ -253,3 +253,19 @@ def test_the_dashboard_names_dmuons_memory_kinds_without_importing_dmuon():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plan_on_hypothetical_gpu_nodes_needs_no_service(tmp_path, capsys, monkeypatch):
+    """``dmuon-svc plan --nodes``: a GPU plan from this CPU machine; nothing listens at
+    DMUON_URL, never asked."""
+    from service.control.cli.commands import main as cli_main
+
+    monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")
+    path = tmp_path / "job.json"
+    path.write_text('{"model": "llama3-8b", "seq_len": 4096}')
+    assert cli_main(["plan", str(path), "--nodes", "8", "--gpus-per-node", "8",
+                     "--gpu-memory-gb", "141"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "layout 8 x 8 (replicate x shard) on 8 nodes: 64 GPU workers"
+    assert lines[1] == "planned on 8 assumed nodes of 8 GPUs (given on the command line)"
+    assert "of 141.00 GB" in lines[3]
