@@ -179,13 +179,14 @@ def _measure(rank, world, spec_data):
     return dmuon.memory_report(model, opt), dmuon.get_ledger(model).last_step_by_phase()
 
 
-@pytest.mark.parametrize("mode,variant", [("z2", "muon"), ("z3", "muon"),
-                                          ("z3", "normuon")])
-def test_predictions_equal_what_workers_measure(mode, variant):
+@pytest.mark.parametrize("mode,variant,model", [
+    ("z2", "muon", "tiny"), ("z3", "muon", "tiny"), ("z3", "normuon", "tiny"),
+    ("z3", "normuon", "small-moe")])  # NorMuon's rows of slices of experts too
+def test_predictions_equal_what_workers_measure(mode, variant, model):
     """Muon's momentum, and NorMuon's row moments with it, as predicted and measured."""
     from dmuon.testing import run
 
-    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
+    data = {"model": model, "precision": "float64", "dmuon": {"mode": mode},
             "optimizer": {"variant": variant},
             "clip_grad_norm": None,  # this loop leaves clipping out (tests/test_modes.py)
             "layout": {"replicate": 2, "shard": 2}, "batch_size": 2, "seq_len": 16}
