@@ -153,9 +153,13 @@ def test_the_records_moe_shapes_are_the_planners():
     assert {"qwen3-30b-a3b", "kimi-k2-shape"} <= set(MOE_SHAPES)
 
 
-def test_planner_help_names_its_program():
-    proc = _plan_cli("--help")
-    assert proc.stdout.startswith("usage: python -m service.job.plan"), proc.stdout
+@pytest.mark.parametrize("module", ["service.job.plan", "service.driver.job_driver",
+                                    "service.job.inputs.prepare"])
+def test_help_names_the_program_as_it_is_run(module):
+    """Not ``usage: __main__.py``."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith(f"usage: python -m {module} "), proc.stdout
 
 
 def _measure(rank, world, spec_data):

@@ -57,6 +57,9 @@ from service.job.spec import SpecError, load_spec  # noqa: E402
 from . import register  # noqa: E402
 from .local_ray import init_local, shutdown_local  # noqa: E402
 
+# --help's usage line: argparse would name the file
+PROG = "python -m service.driver.job_driver"
+
 
 def connect_ray(num_cpus: int | None = None) -> str | None:
     """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback;
@@ -246,7 +249,7 @@ def failure_reason(error: BaseException, path: str) -> dict:
 
 
 def _arguments(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True,
                     help="job spec: .yaml/.yml, .json or .toml (a file that does not "
                          "parse exits 2 with its line and column)")
