@@ -222,7 +222,11 @@ def plan(spec_file: str, as_json: bool, nodes: int | None, gpus_per_node: int,
     if nodes is not None:
         from .local_plan import local_plan
 
-        answer = local_plan(spec_file, nodes, gpus_per_node, gpu_memory_gb)
+        try:
+            answer = local_plan(spec_file, nodes, gpus_per_node, gpu_memory_gb)
+        except ImportError as e:  # the client alone: no torch here
+            raise click.UsageError(f"--nodes plans here, which needs the dmuon package "
+                                   f"and torch installed ({e})") from None
         click.echo(json.dumps(answer) if as_json else plan_text(answer))
         return 0
     answer = request("POST", "/v1/plan", _spec(spec_file))
