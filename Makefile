@@ -2,6 +2,8 @@
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
+# two stamps: the runtime (the demo, the CLI) and, on top of it, the test tools
+RUN_STAMP := $(VENV)/.installed-run
 STAMP  := $(VENV)/.installed
 CHROMIUM ?= /usr/bin/chromium
 WRK ?= /usr/bin/wrk
@@ -13,11 +15,16 @@ export RAY_USAGE_STATS_ENABLED ?= 0
 	bench-muon-variants bench-modes bench-compile bench-elastic-plan bench-tp-plan bench-ep-plan bench-ep-run \
 	bench-gpu lint clean
 
-$(STAMP): pyproject.toml requirements.lock requirements-test.lock
+$(RUN_STAMP): pyproject.toml requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# pip (not uv/poetry): it finds the local CPU wheel of torch==2.13.0.
-	$(PY) -m pip install -q -r requirements-test.lock
+	$(PY) -m pip install -q -r requirements.lock
 	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
+	touch $(RUN_STAMP)
+
+# the test tools (playwright, schemathesis, ...) for make test, the benches and lint
+$(STAMP): $(RUN_STAMP) requirements-test.lock
+	$(PY) -m pip install -q -r requirements-test.lock
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -36,11 +43,11 @@ test: $(STAMP) $(CHROMIUM)
 	$(PY) -m pytest -q
 
 # the control plane, its local Ray head and the default job (DEMO_EXIT_ON_FINISH=1: exit)
-demo: $(STAMP)
+demo: $(RUN_STAMP)
 	$(PY) -m service.dev.demo
 
 # the DMuon core alone: 4 torchrun processes, no Ray, no service
-demo-torchrun: $(STAMP)
+demo-torchrun: $(RUN_STAMP)
 	$(VENV)/bin/torchrun --nproc-per-node 4 --master-addr 127.0.0.1 --master-port 29517 \
 		-m service.dev.torchrun_demo $(DEMO_ARGS)
 

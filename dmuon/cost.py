@@ -93,11 +93,15 @@ def packed_peak_bytes(plan: DedicationPlan, *, z3: bool, prefetch: int,
 
 
 def memory_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes: int,
-                      master_bytes: int) -> dict[str, int]:
-    """DMuon's resident bytes on ``rank`` after a step (kinds of ``memory_report``)."""
+                      master_bytes: int, row_moments: bool = False) -> dict[str, int]:
+    """DMuon's resident bytes on ``rank`` after a step (kinds of ``memory_report``).
+    ``row_moments``: NorMuon's, which keeps one second moment per row of every matrix it
+    owns (``dmuon.normuon.second_moment_like``) next to the momentum."""
     owned = plan.elements_per_rank[rank]
     column = column_elements(plan)[rank % plan.shard_size]
     masters_apart = owned * master_bytes if master_bytes != param_bytes else 0
+    rows = sum(a.numel // a.shape[-1] for a in plan.params.values()
+               if a.owner == rank) if row_moments else 0
     return {"packed_buffers": 0 if z3 else sum(gathered_elements(plan)) * param_bytes,
             "owned_params": column * param_bytes + masters_apart,
-            "momentum": owned * master_bytes}
+            "momentum": (owned + rows) * master_bytes}

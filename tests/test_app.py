@@ -212,12 +212,15 @@ def test_plan_needs_the_token_and_bodies_are_bounded_before_reading(svc):
     assert svc.request("POST", "/v1/plan", TINY, token=False)[0] == 401
     big = b'{"spec": {"name": "' + b"x" * (2 << 20) + b'"}}'
     for token in (False, True):
-        status, _ = svc.request("POST", "/v1/jobs", data=big, token=token)
+        status, answer = svc.request("POST", "/v1/jobs", data=big, token=token)
         assert status == 413, token
+        # JSON naming the limit, as every other refusal (not a bare text/plain 413)
+        assert answer == {"detail": "the request body is too large: POST /v1/jobs takes a "
+                                    "body of at most 64 KiB", "max_body_bytes": 65536}
     job = _dry(svc)
     fifty_mb = b"[" + b"1," * (25 << 20) + b"1]"
-    status, _ = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=fifty_mb)
-    assert status == 413
+    status, answer = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", data=fifty_mb)
+    assert status == 413 and answer["max_body_bytes"] == 4 << 20
 
 
 def test_empty_token_setting_and_an_open_public_bind_are_refused(tmp_path):
@@ -413,5 +416,26 @@ def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
         assert float(values[f"dmuon_job_mfu{{{label}}}"]) == 0.25
         assert float(values[f"dmuon_job_grad_norm{{{label}}}"]) == 1.5
         assert float(values[f'dmuon_job_lr{{group="muon",{label}}}']) == 0.04
+        # a step without validation: the series keeps step 2's value, not a gap
+        ingest(store, job_id, [StepRecord(job_id=job_id, step=3, rank=rank, loss=0.5)
+                               for rank in (0, 1)], "post")
+        text = generate_latest(registry_for(store)).decode()
+        values = dict(line.rsplit(" ", 1) for line in text.splitlines()
+                      if line.startswith("dmuon_job"))
+        assert float(values[f"dmuon_job_step{{{label}}}"]) == 3
+        assert float(values[f"dmuon_job_val_loss{{{label}}}"]) == 2.5
     finally:
         store.close()
+
+
+def test_rays_websocket_closed_lines_stay_off_the_service_console():
+    import logging
+
+    import ray.dashboard.modules.job.sdk as sdk
+
+    from service.control.submitter import quiet_ray_sdk
+
+    quiet_ray_sdk()
+    assert logging.getLogger(sdk.__name__) is logging.getLogger("ray.dashboard.modules.job.sdk")
+    assert not logging.getLogger(sdk.__name__).isEnabledFor(logging.INFO)
+    assert logging.getLogger(sdk.__name__).isEnabledFor(logging.WARNING)

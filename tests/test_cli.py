@@ -524,3 +524,22 @@ def test_list_shows_the_jobs_as_the_service_lists_them(svc, tmp_path):
     as_json = json.loads(_cli(svc, "list", "--json").stdout)
     assert as_json == svc.request("GET", "/v1/jobs")[1]
     assert _cli(svc, "list", "--status", "DONE").returncode == 2
+
+
+
+
+
+def test_status_of_a_finished_job_shows_its_final_loss_and_val_loss(svc, tmp_path):
+    """The newest step's loss (mean over its 2 ranks) and the newest validation loss,
+    which came two steps earlier."""
+    status, job = svc.request("POST", "/v1/jobs", {"spec": PLANNED, "dry_run": True})
+    assert status == 201, job
+    records = [{"job_id": job["id"], "step": step, "rank": rank, "loss": 3.0 - step + rank,
+                "val_loss": 2.5 if step == 2 and rank == 0 else None}
+               for step in (1, 2, 3, 4) for rank in (0, 1)]
+    status, _ = svc.request("POST", f"/v1/jobs/{job['id']}/metrics", records)
+    assert status == 200
+    proc = _cli(svc, "status", job["id"])
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[1] == ("  loss -0.5000 at step 4 (mean of the ranks)  "
+                                           "val_loss 2.5000 at step 2"), proc.stdout

@@ -254,6 +254,25 @@ def test_make_targets_exist():
     assert used and sorted(used - targets) == []
 
 
+def test_make_demo_installs_the_runtime_lock_only_and_test_the_test_lock(tmp_path):
+    """``make -n`` on a fresh venv path: the commands each target would run."""
+    import shutil
+    import subprocess
+
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+
+    def commands(target):
+        return subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}",
+                               "CHROMIUM=/bin/sh"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout
+
+    demo, test = commands("demo"), commands("test")
+    assert "pip install -q -r requirements.lock" in demo
+    assert "requirements-test.lock" not in demo
+    assert "pip install -q -r requirements-test.lock" in test
+
+
 def test_python_modules_and_their_flags_exist():
     missing = []
     for s in (s for d in DOCS for s in code(d)):

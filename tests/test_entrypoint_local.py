@@ -12,8 +12,10 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import yaml
@@ -71,13 +73,20 @@ def test_the_readme_command_runs_its_job_yaml_to_success(tmp_path):
     env = {k: v for k, v in os.environ.items()
            if k not in ("RAY_ADDRESS", "DMUON_LOCAL_CPUS", "DMUON_STORAGE")}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    # the driver's temp dir: short (Ray's socket paths), the test's own
+    env["TMPDIR"] = scratch = tempfile.mkdtemp(prefix="d-", dir="/tmp")
     neighbour = LocalRayHead.start(num_cpus=1)
     try:
         proc = subprocess.run(_readme_command(), cwd=tmp_path, env=env, capture_output=True,
                               timeout=400)
+        # the Ray it started itself is gone with its session (no ray/session_*) and
+        # its dashboard's pymp-* dir; torch's compile cache stays, as a cache does
+        left = sorted(n for n in os.listdir(scratch) if not n.startswith("torchinductor_"))
     finally:
         neighbour.stop()
+        shutil.rmtree(scratch, ignore_errors=True)
     assert not os.path.exists(neighbour.temp_dir)  # a stopped head leaves no temp dir
+    assert left == [], left
     out, err = proc.stdout.decode(), proc.stderr.decode()
     assert proc.returncode == 0, out[-3000:] + err[-3000:]
     assert b"\x1b" not in proc.stdout + proc.stderr, (out + err)[-3000:]

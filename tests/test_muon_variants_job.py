@@ -29,6 +29,7 @@ def _job(rank, world):
 
 def test_normuon_and_qk_clip_reach_the_records():
     from service.control.step_records import StepRecord
+    from service.driver.reports import step_line
     from service.driver.tracking_callback import step_scalars
 
     results = run(_job, world_size=4)
@@ -39,6 +40,10 @@ def test_normuon_and_qk_clip_reach_the_records():
         for r in rows:  # the control plane takes them as they are
             stored = StepRecord.model_validate({"job_id": "j", **r})
             assert stored.max_logit == r["max_logit"], step
+        line = step_line(rows)  # what `dmuon-svc logs` shows of the step
+        assert (f"  max_logit {rows[0]['max_logit']:.4f}  clipped_heads "
+                f"{rows[0]['clipped_heads']}") in line, line
+        assert f"lr muon {rows[0]['lr']['muon']:.3e} adamw " in line, line
         scalars = step_scalars(rows)
         assert scalars["max_logit"] == rows[0]["max_logit"], step
         assert scalars["clipped_heads"] == rows[0]["clipped_heads"], step

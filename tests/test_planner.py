@@ -87,16 +87,79 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
             assert rank.memory["packed_buffers"] == (p_m * elt if mode == "z2" else 0)
             # Z3: the running layer and the one prefetched
             assert rank.packed_peak == (p_m * elt if mode == "z2" else 2 * layer * elt)
-        assert "Z2 packed GB" in placement.table() and "Z3 peak GB" in placement.table()
+        # the packed peak's column names the mode it is the peak of
+        assert "Z2 packed GB" in placement.table()
+        assert f"peak GB ({mode.upper()})" in placement.table()
 
 
-def test_planner_cli_prints_the_table():
-    proc = subprocess.run([sys.executable, "-m", "service.job.plan", "--model", "llama3-70b",
-                           "--nodes", "8", "--gpus-per-node", "8"],
-                          capture_output=True, text=True, timeout=120)
+def _plan_cli(*args):
+    return subprocess.run([sys.executable, "-m", "service.job.plan", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_planner_cli_says_it_fits_first():
+    proc = _plan_cli("--model", "llama3-8b", "--nodes", "1", "--mode", "auto")
     assert proc.returncode == 0, proc.stderr
+    first, *rest = proc.stdout.splitlines()
+    assert first.startswith("fits: peak ") and "of 80 GB per rank" in first, first
+    assert rest[0].startswith("layout 1 x 8 (replicate x shard) on 1 node;")  # no "1 nodes"
+
+
+def test_planner_cli_says_a_layout_does_not_fit_and_the_smallest_that_does():
+    proc = _plan_cli("--model", "llama3-70b", "--nodes", "8", "--gpus-per-node", "8",
+                     "--mode", "auto")
+    assert proc.returncode == 1, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("does not fit: peak 230.8 GB of 80 GB per rank (Z3"), first
+    assert first.endswith("the smallest layout that fits is 8 nodes x 8 GPUs with --tp 8 "
+                          "(layout 8 x 1 x 8, Z3, peak 58.8 GB)"), first
     assert "layout 8 x 8 (replicate x shard) on 8 nodes" in proc.stdout
-    assert "Z3 " in proc.stdout and "peak" in proc.stdout
+    assert "even Z3 needs 230.8 GB" in proc.stdout  # the tree's step 2, after "> 10B"
+
+
+def test_planner_cli_says_when_no_layout_fits():
+    proc = _plan_cli("--model", "llama3-8b", "--gpus-per-node", "1", "--batch-size", "64")
+    assert proc.returncode == 1, proc.stderr
+    assert "no layout fits on up to 256 nodes x 1 GPU " in proc.stdout.splitlines()[0]
+
+
+def test_planner_defaults_plan_every_model_it_names():
+    """small-moe's 256-token limit, not the 8192 default the others take."""
+    proc = _plan_cli("--model", "small-moe", "--nodes", "8", "--ep", "8")
+    assert proc.returncode == 0, proc.stderr
+    assert "layout 8 x 8, ep 8" in proc.stdout
+    assert _plan_cli("--model", "no-such-model").returncode == 2
+
+
+def test_planner_takes_a_hugging_face_config(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128,
+        "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 64}))
+    for where in (tmp_path, tmp_path / "config.json"):
+        proc = _plan_cli("--model", str(where), "--nodes", "1", "--gpus-per-node", "2")
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.startswith("fits: ") and "layout 1 x 2" in proc.stdout
+
+
+def test_the_records_moe_shapes_are_the_planners():
+    from bench import ep_plan
+    from service.job.plan.moe_shapes import MOE_SHAPES
+
+    assert ep_plan.MODELS is MOE_SHAPES
+    assert {"qwen3-30b-a3b", "kimi-k2-shape"} <= set(MOE_SHAPES)
+
+
+@pytest.mark.parametrize("module", ["service.job.plan", "service.driver.job_driver",
+                                    "service.job.inputs.prepare"])
+def test_help_names_the_program_as_it_is_run(module):
+    """Not ``usage: __main__.py``."""
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.stdout.startswith(f"usage: python -m {module} "), proc.stdout
 
 
 def _measure(rank, world, spec_data):
@@ -120,11 +183,15 @@ def _measure(rank, world, spec_data):
     return dmuon.memory_report(model, opt), dmuon.get_ledger(model).last_step_by_phase()
 
 
-@pytest.mark.parametrize("mode", ["z2", "z3"])
-def test_predictions_equal_what_workers_measure(mode):
+@pytest.mark.parametrize("mode,variant,model", [
+    ("z2", "muon", "tiny"), ("z3", "muon", "tiny"), ("z3", "normuon", "tiny"),
+    ("z3", "normuon", "small-moe")])  # NorMuon's rows of slices of experts too
+def test_predictions_equal_what_workers_measure(mode, variant, model):
+    """Muon's momentum, and NorMuon's row moments with it, as predicted and measured."""
     from dmuon.testing import run
 
-    data = {"model": "tiny", "precision": "float64", "dmuon": {"mode": mode},
+    data = {"model": model, "precision": "float64", "dmuon": {"mode": mode},
+            "optimizer": {"variant": variant},
             "clip_grad_norm": None,  # this loop leaves clipping out (tests/test_modes.py)
             "layout": {"replicate": 2, "shard": 2}, "batch_size": 2, "seq_len": 16}
     placement = predict(parse_spec(data), synthetic_inventory(1, 0, cpus_per_node=4))
@@ -191,3 +258,19 @@ def test_the_dashboard_names_dmuons_memory_kinds_without_importing_dmuon():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_plan_on_hypothetical_gpu_nodes_needs_no_service(tmp_path, capsys, monkeypatch):
+    """``dmuon-svc plan --nodes``: a GPU plan from this CPU machine; nothing listens at
+    DMUON_URL, never asked."""
+    from service.control.cli.commands import main as cli_main
+
+    monkeypatch.setenv("DMUON_URL", "http://127.0.0.1:9")
+    path = tmp_path / "job.json"
+    path.write_text('{"model": "llama3-8b", "seq_len": 4096}')
+    assert cli_main(["plan", str(path), "--nodes", "8", "--gpus-per-node", "8",
+                     "--gpu-memory-gb", "141"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "layout 8 x 8 (replicate x shard) on 8 nodes: 64 GPU workers"
+    assert lines[1] == "planned on 8 assumed nodes of 8 GPUs (given on the command line)"
+    assert "of 141.00 GB" in lines[3]

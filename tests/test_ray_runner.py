@@ -260,7 +260,7 @@ def test_ray_job_submit_runs_the_stored_plan_with_json_lines(head, storage, tmp_
         mine = [r for r in records if r["step"] == int(step)]
         first = next(r for r in mine if r["rank"] == 0)
         assert loss == f"{sum(r['loss'] for r in mine) / 4:.4f}"
-        assert (muon, adamw) == (f"{first['lr']['muon']:.4f}", f"{first['lr']['adamw']:.4f}")
+        assert (muon, adamw) == (f"{first['lr']['muon']:.3e}", f"{first['lr']['adamw']:.3e}")
         assert seconds == f"{first['step_time_s']:.3f}"
     assert "Reporting training result" not in proc.stdout  # Ray Train's INFO: its files only
     summary = json.loads(next(line[line.index('{"'):] for line in proc.stdout.splitlines()
@@ -287,6 +287,30 @@ def test_entrypoint_refuses_a_stored_plan_the_cluster_no_longer_holds(head, tmp_
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "the stored plan (2 x 2 on 2 node(s)" in proc.stderr
     assert "no longer fits: 1 of the cluster's 1 alive node(s) can hold 2" in proc.stderr
+
+
+def test_a_local_head_leaves_no_multiprocessing_dir_behind(monkeypatch):
+    """The service's head (``dmuon-serve`` starts it so): Ray's dashboard runs a
+    multiprocessing forkserver, whose ``pymp-*`` dir stayed in /tmp once it was killed.
+    TMPDIR is a short dir of the test's own (Ray's socket paths must stay short)."""
+    import glob
+    import shutil
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="dmt-", dir="/tmp")
+    monkeypatch.setenv("TMPDIR", tmp)
+    monkeypatch.setattr(tempfile, "tempdir", tmp)
+    try:
+        head = LocalRayHead.start(num_cpus=1)
+        try:
+            assert head.temp_dir.startswith(tmp)
+            # the forkserver's dir, in the head's own temp dir
+            assert glob.glob(os.path.join(head.temp_dir, "tmp", "pymp-*"))
+        finally:
+            head.stop()
+        assert sorted(os.listdir(tmp)) == []  # no pymp-*, no head temp dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_second_local_head_on_the_same_machine_takes_jobs(head):

@@ -17,6 +17,7 @@ import warnings
 import pytest
 from _http import ROOT, Service
 
+from service.control.cli.commands import main as cli_main
 from service.job.spec import load_spec, parse_spec
 from service.job.spec.spec_files import SpecFileError, position, read_spec_file
 
@@ -260,3 +261,20 @@ def test_the_dashboard_names_every_kind_of_model():
         "tiny", "LlamaForCausalLM (models/llama)", "LlamaForCausalLM",
         "Hugging Face (models/llama)", "factory mypkg.models:build",
         "Llama dim 64, 2 layers, 4 heads (2 kv), ffn 128"]
+
+
+def test_a_spec_with_two_bad_fields_prints_a_line_per_field(tmp_path, capsys):
+    path = tmp_path / "job.yaml"
+    path.write_text("model: tiny\noptimizer: {lr: -1, momentum: 7}\nclip_grad_norm: 0\n")
+    assert cli_main(["plan", str(path)]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "error: invalid job spec:"
+    assert [line.split(":")[0] for line in err[1:]] == [
+        "  spec.optimizer.lr", "  spec.optimizer.momentum", "  spec.clip_grad_norm"]
+    assert err[3].endswith("null turns clipping off")
+
+def test_a_missing_spec_file_is_a_usage_error(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert cli_main(["submit", str(missing)]) == 2
+    assert capsys.readouterr().err == (f"error: {missing}: cannot read the spec file: "
+                                       "No such file or directory\n")

@@ -22,6 +22,7 @@ from sqlalchemy.exc import DBAPIError
 from service.job.spec import field_path, named_field
 from service.job.spec.spec_files import position
 
+from .body_limit import JSONBodyLimit
 from .dashboard import mount_dashboard
 from .routes import jobs, metrics, packages, streams, system
 from .settings import Settings
@@ -144,4 +145,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                    metrics.reads, streams.reads, streams.admin, packages.admin):
         app.include_router(router)
     mount_dashboard(app)
+    # outside FastAPI's body limit, which sits outside every add_middleware one
+    build = app.build_middleware_stack
+    app.build_middleware_stack = lambda: JSONBodyLimit(build())
     return app

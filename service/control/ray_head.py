@@ -76,8 +76,12 @@ class LocalRayHead:
     @classmethod
     def start(cls, num_cpus: int = 4, ready_timeout: float = 90) -> LocalRayHead:
         head = cls(0, free_port(), free_port(), tempfile.mkdtemp(prefix=TEMP_PREFIX))
+        # the head's processes' own temp files (the dashboard's multiprocessing
+        # forkserver makes a pymp-* dir, left behind when it is killed) go in its temp
+        # dir, which stop() removes
+        os.makedirs(scratch := os.path.join(head.temp_dir, "tmp"))
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-               "RAY_USAGE_STATS_ENABLED": "0"}
+               "RAY_USAGE_STATS_ENABLED": "0", "TMPDIR": scratch}
         env.setdefault("RAY_AUTH_MODE", "disabled")  # Ray 2.60 turns token auth on
         proc = subprocess.Popen(
             [RAY, "start", "--head", "--block", "--node-ip-address", "127.0.0.1",

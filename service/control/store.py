@@ -78,6 +78,33 @@ def _history(conn, job_id: str) -> list[dict]:
     return [dict(r._mapping) for r in rows]
 
 
+def _last_losses(conn, job_id: str) -> dict | None:
+    """The newest step's loss (the mean over its ranks, as the step line shows it) and
+    the newest validation loss, each with its step; None before the first step."""
+    m = metrics.c
+    step = conn.execute(select(func.max(m.step)).where(m.job_id == job_id)).scalar()
+    if step is None:
+        return None
+    losses = [json.loads(t).get("loss") for (t,) in conn.execute(
+        select(m.record).where(m.job_id == job_id, m.step == step))]
+    numbers = [v for v in losses if isinstance(v, (int, float))]
+    out = {"step": step, "loss": sum(numbers) / len(numbers)
+           if numbers and len(numbers) == len(losses) else None}
+    record = _last_validation(conn, job_id)
+    if record is not None:
+        out.update(val_step=record["step"], val_loss=record.get("val_loss"))
+    return out
+
+
+def _last_validation(conn, job_id: str) -> dict | None:
+    """Rank 0's newest record stored with a validation loss (a number, not null)."""
+    m = metrics.c
+    text = conn.execute(select(m.record).where(
+        m.job_id == job_id, m.rank == 0, m.record.like('%"val_loss": %'),
+        m.record.not_like('%"val_loss": null%')).order_by(m.step.desc()).limit(1)).scalar()
+    return json.loads(text) if text is not None else None
+
+
 class JobStore:
     def __init__(self, url: str):
         self.url = url
@@ -167,12 +194,14 @@ class JobStore:
             if row is None:
                 return None
             history = _history(conn, job_id)
+            last = _last_losses(conn, job_id)
             events = conn.execute(select(metrics.c.record).where(
                 metrics.c.job_id == job_id, metrics.c.rank == 0,
                 metrics.c.record.like('%"layout_event": {%')).order_by(metrics.c.step)).all()
         layouts = [{"step": r["step"], **r["layout_event"]}
                    for r in (json.loads(text) for (text,) in events)]
-        return {**_job(row), "history": history, "layouts": layouts}
+        return {**_job(row), "history": history, "layouts": layouts,
+                **({"last": last} if last is not None else {})}
 
     def list_jobs(self, status: str | None = None, limit: int = 1000) -> list[dict]:
         cols = [c for c in jobs.c if c.name != "plan"]
@@ -339,6 +368,11 @@ class JobStore:
                 metrics.c.job_id == job_id, metrics.c.step == step)
                 .order_by(metrics.c.rank)).all()
         return [json.loads(text) for (text,) in rows]
+
+    def last_validation(self, job_id: str) -> dict | None:
+        """Rank 0's newest record with a validation loss, or None."""
+        with self.reader.connect() as conn:
+            return _last_validation(conn, job_id)
 
     def metrics_after(self, job_id: str, cursor: int, limit: int = 1000):
         """(id, record) in arrival order after ``cursor``: an event stream's position,

@@ -9,6 +9,7 @@ room; one job's failure is logged and never stops the others.
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import secrets
@@ -40,6 +41,15 @@ FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
 JOB_ENV = {"RAY_COLOR_PREFIX": "0", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
 
 
+# Ray's job SDK logs "WebSocket closed for job ..." at INFO each time a followed log
+# ends: the job's end, not the service's news, on the service's console
+RAY_SDK_LOGGER = "ray.dashboard.modules.job.sdk"
+
+
+def quiet_ray_sdk() -> None:
+    logging.getLogger(RAY_SDK_LOGGER).setLevel(logging.WARNING)
+
+
 def _log(message: str) -> None:
     print(f"runner: {message}", file=sys.stderr, flush=True)
 
@@ -63,6 +73,7 @@ class RayJobRunner:
                  service_url: str, max_running: int = 1, interval_s: float = 0.5):
         from ray.job_submission import JobSubmissionClient
 
+        quiet_ray_sdk()  # after the import: Ray sets its loggers up as it loads
         self.store, self.storage, self.data_root = store, storage, data_root
         self.service_url, self.max_running, self.interval_s = service_url, max_running, interval_s
         self.client, self.ray_address = JobSubmissionClient(ray_address), ray_address

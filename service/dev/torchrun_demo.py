@@ -24,7 +24,8 @@ from service.worker.corpus import batch_at, load_corpus
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node 4 -m service.dev.torchrun_demo", description=__doc__)
     parser.add_argument("--model", default="small")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--batch-size", type=int, default=4, help="sequences per rank")

@@ -55,10 +55,15 @@ from service.job.plan.document import PlanDocument  # noqa: E402
 from service.job.spec import SpecError, load_spec  # noqa: E402
 
 from . import register  # noqa: E402
+from .local_ray import init_local, shutdown_local  # noqa: E402
+
+# --help's usage line: argparse would name the file
+PROG = "python -m service.driver.job_driver"
 
 
-def connect_ray(num_cpus: int | None = None) -> None:
-    """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback."""
+def connect_ray(num_cpus: int | None = None) -> str | None:
+    """Attach to ``RAY_ADDRESS`` (as under ``ray job submit``) or start Ray on loopback;
+    the directory of a Ray started here (``local_ray``: removed at the end), else None."""
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -83,9 +88,9 @@ def connect_ray(num_cpus: int | None = None) -> None:
         # combine the two rather than refuse
         os.environ.setdefault("RAY_OVERRIDE_JOB_RUNTIME_ENV", "1")
         ray.init(runtime_env=runtime_env, log_to_driver=True)
-    else:
-        ray.init(num_cpus=num_cpus, _node_ip_address="127.0.0.1", runtime_env=runtime_env,
-                 dashboard_host="127.0.0.1")
+        return None
+    return init_local(ray, num_cpus=num_cpus, _node_ip_address="127.0.0.1",
+                      runtime_env=runtime_env, dashboard_host="127.0.0.1")
 
 
 def _plain_text(record: logging.LogRecord) -> bool:
@@ -244,7 +249,7 @@ def failure_reason(error: BaseException, path: str) -> dict:
 
 
 def _arguments(argv):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     ap.add_argument("--spec", required=True,
                     help="job spec: .yaml/.yml, .json or .toml (a file that does not "
                          "parse exits 2 with its line and column)")
@@ -301,7 +306,6 @@ def main(argv=None) -> int:
 def _run(args, spec, plan, inputs, token) -> int:
     from dmuon import PlanMismatch
     from service.job.models.params import ParamRuleError
-    from service.job.plan.layout_choice import PlacementError
 
     from .model_check import check_against_model
 
@@ -314,7 +318,20 @@ def _run(args, spec, plan, inputs, token) -> int:
         failure_reason(e, failed)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    connect_ray(local_cpus(spec, args.num_cpus))
+    local = connect_ray(local_cpus(spec, args.num_cpus))
+    try:
+        return _run_on_ray(args, spec, plan, inputs, token, job_id, failed)
+    finally:
+        if local is not None:  # the Ray started here, and its session directory
+            import ray
+
+            shutdown_local(ray, local)
+
+
+def _run_on_ray(args, spec, plan, inputs, token, job_id: str, failed: str) -> int:
+    from service.job.models.params import ParamRuleError
+    from service.job.plan.layout_choice import PlacementError
+
     signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
     start = time.time()
     summary = {"job_id": job_id, "status": "SUCCEEDED", "error": None}

@@ -19,11 +19,17 @@ def _number(value, digits: int = 4) -> str:
     return f"{value:.{digits}g}" if abs(value) < 1e-3 else f"{value:.{digits}f}"
 
 
+def _lr(value) -> str:
+    """An LR in one format whatever its size (a schedule takes it over decades)."""
+    return "non-finite" if value is None or not math.isfinite(value) else f"{value:.3e}"
+
+
 def step_line(records: list[dict]) -> str:
     """One step in a line a person reads: the loss averaged over the ranks (what the
     dashboard, TensorBoard and ``dmuon-svc submit --follow`` show), rank 0's LR per group
-    and step time, the validation loss on validation steps, a skipped step marked.
-    ``step 3  loss 5.2625 (mean of 4 ranks)  lr muon 0.0200 adamw 0.0030  0.122 s/step``"""
+    and step time, the validation loss on validation steps, QK-clip's largest logit and
+    clipped heads when it is on, a skipped step marked.
+    ``step 3  loss 5.2625 (mean of 4 ranks)  lr muon 2.000e-02 adamw 3.000e-03  0.122 s/step``"""
     first = min(records, key=lambda r: r["rank"])
     losses = [r.get("loss") for r in records]
     mean = (None if any(v is None or not math.isfinite(v) for v in losses)
@@ -34,7 +40,10 @@ def step_line(records: list[dict]) -> str:
         parts.append(f"val_loss {_number(first['val_loss'])}")
     lrs = first.get("lr") or {}
     if lrs:
-        parts.append("lr " + " ".join(f"{k} {_number(v)}" for k, v in lrs.items()))
+        parts.append("lr " + " ".join(f"{k} {_lr(v)}" for k, v in lrs.items()))
+    if first.get("max_logit") is not None:  # QK-clip's: the same on every rank
+        parts.append(f"max_logit {_number(first['max_logit'])}  clipped_heads "
+                     f"{first.get('clipped_heads') or 0}")
     if first.get("step_time_s") is not None:
         parts.append(f"{first['step_time_s']:.3f} s/step")
     if first.get("skipped"):

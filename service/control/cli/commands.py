@@ -5,7 +5,7 @@
     dmuon-svc status [JOB_ID] [--json]
     dmuon-svc logs [-f] [--raw] JOB_ID
     dmuon-svc cancel JOB_ID
-    dmuon-svc plan job.yaml [--json]
+    dmuon-svc plan job.yaml [--json] [--nodes N --gpus-per-node G --gpu-memory-gb M]
     dmuon-svc export JOB_ID [--no-wait]      sharded safetensors + config.json
     dmuon-svc prepare --tokenizer tokenizer.json --out DIR FILES...   (local, no service)
 
@@ -31,7 +31,7 @@ from service.job.spec import SpecError, load_spec
 from service.job.spec.spec_files import SpecFileError
 
 from .http import DEFAULT_URL, ServiceError, request
-from .output import failure_line, plan_text, reason_details, setup_logging
+from .output import failure_line, losses_line, plan_text, reason_details, setup_logging
 from .progress import follow
 
 __all__ = ["ServiceError", "follow", "main", "request"]
@@ -154,6 +154,8 @@ def _print_jobs(jobs: list[dict], details: bool) -> None:
     reason's further lines and last frames too)."""
     for job in jobs:
         click.echo(f"{job['id']}  {job['status']:<9}  {job['name']}")
+        if details and job.get("last"):
+            click.echo(f"  {losses_line(job['last'])}")
         failed = failure_line(job)
         if failed:
             click.echo(f"  {failed}")
@@ -201,13 +203,32 @@ def cancel(job_id: str) -> int:
 @click.option("--json", "as_json", is_flag=True,
               help="Print the plan document (layout, inventory, modes, per-rank "
                    "predictions, partition) as JSON instead of tables.")
-def plan(spec_file: str, as_json: bool) -> int:
+@click.option("--nodes", type=click.IntRange(1), metavar="N",
+              help="Plan on N hypothetical nodes, here, without the service.")
+@click.option("--gpus-per-node", type=click.IntRange(0), default=8, show_default=True,
+              help="With --nodes: the GPUs of each node (one per worker; 0: CPU workers).")
+@click.option("--gpu-memory-gb", type=click.FloatRange(min=0, min_open=True),
+              help="With --nodes: one GPU's memory (default: the spec's "
+                   "dmuon.device_memory_gb, else 80).")
+def plan(spec_file: str, as_json: bool, nodes: int | None, gpus_per_node: int,
+         gpu_memory_gb: float | None) -> int:
     """Plan SPEC_FILE without a job: the layout, the mode and why, and per rank the
     owned Muon elements, Newton-Schulz FLOPs, bytes held by kind and bytes sent per
-    step by mesh dim and phase.
+    step by mesh dim and phase. With --nodes, on a hypothetical cluster of that many
+    nodes, on this machine (a GPU plan from a CPU machine; no service needed).
 
     {spec_files}
     """
+    if nodes is not None:
+        from .local_plan import local_plan
+
+        try:
+            answer = local_plan(spec_file, nodes, gpus_per_node, gpu_memory_gb)
+        except ImportError as e:  # the client alone: no torch here
+            raise click.UsageError(f"--nodes plans here, which needs the dmuon package "
+                                   f"and torch installed ({e})") from None
+        click.echo(json.dumps(answer) if as_json else plan_text(answer))
+        return 0
     answer = request("POST", "/v1/plan", _spec(spec_file))
     click.echo(json.dumps(answer) if as_json else plan_text(answer))
     return 0
@@ -302,6 +323,11 @@ def main(argv=None) -> int:
     except SpecFileError as e:  # a spec file that does not parse: a usage error
         log.error("%s", e)
         return 2
-    except (ServiceError, SpecError, PackageError, OSError) as e:
+    except SpecError as e:  # one line per field a spec file gets wrong
+        # as a 422's: a head, then a line per field (the service refusing the same spec)
+        log.error("%s", "\n".join(["invalid job spec:", *(f"  {f}" for f in e.fields)])
+                  if e.fields else e)
+        return 1
+    except (ServiceError, PackageError, OSError) as e:
         log.error("%s", e)
         return 1

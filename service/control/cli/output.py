@@ -36,6 +36,19 @@ def setup_logging(level: int = logging.INFO, names=("service.control.cli",)) -> 
         logger.propagate = False
 
 
+def losses_line(last: dict) -> str:
+    """``loss 5.2625 at step 40 (mean of the ranks)  val_loss 5.3010 at step 40``: a job's
+    newest figures (``GET /v1/jobs/{id}``'s ``last``)."""
+    loss = last.get("loss")
+    line = (f"loss {loss:.4f}" if loss is not None else "loss non-finite") + \
+        f" at step {last['step']} (mean of the ranks)"
+    if "val_loss" in last:
+        val = last["val_loss"]
+        line += (f"  val_loss {val:.4f}" if val is not None else "  val_loss non-finite") \
+            + f" at step {last['val_step']}"
+    return line
+
+
 # -- a failed job's reason -------------------------------------------------------------------
 def failure_line(job: dict) -> str | None:
     """``FAILED: <type>: <message> (rank R, step S)`` from a failed job's ``reason``;
@@ -117,7 +130,10 @@ def plan_summary(plan: dict) -> list[str]:
         mesh, dims = f"{mesh}, ep {lay['ep']}", f"{dims}; experts over ep"
     lines = [f"layout {mesh} ({dims}) on {_plural(lay['nodes'], 'node')}: {world} {kind} "
              "workers"]
-    if inv.get("source") == "assumed":
+    if inv.get("gpus_per_node") is not None:
+        lines.append(f"planned on {_plural(inv['nodes'], 'assumed node')} of "
+                     f"{_plural(inv['gpus_per_node'], 'GPU')} ({inv.get('reason')})")
+    elif inv.get("source") == "assumed":
         lines.append(f"planned on {_plural(inv['nodes'], 'assumed node')} of "
                      f"{inv.get('cpus_per_node')} CPUs ({inv.get('reason')})")
     elif inv:

@@ -30,8 +30,9 @@ class JobCounts:
 
 
 class RunningJobs:
-    """The newest step of every running job: loss, validation loss, throughput per rank
-    and in total, MFU, gradient norm and LR per group (read at each scrape)."""
+    """The newest step of every running job: loss, the newest validation loss (kept
+    between validation steps), throughput per rank and in total, MFU, gradient norm and
+    LR per group (read at each scrape)."""
 
     FIELDS = (("loss", "training loss"), ("val_loss", "validation loss"),
               ("tokens_per_s_total", "tokens per second, all ranks"),
@@ -55,6 +56,8 @@ class RunningJobs:
             step.add_metric([job["id"]], first["step"])
             for f, gauge in gauges.items():
                 value = next((r[f] for r in records if r.get(f) is not None), None)
+                if value is None and f == "val_loss":  # between validations: the last
+                    value = (self.store.last_validation(job["id"]) or {}).get(f)
                 if value is not None:
                     gauge.add_metric([job["id"]], value)
             for r in records:

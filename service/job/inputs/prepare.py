@@ -30,6 +30,9 @@ from .shards import write_shard
 EOT_TOKENS = ("<|endoftext|>", "</s>", "<eos>", "[SEP]")
 BATCH_DOCS = 1024
 
+# --help's usage line: argparse would name the file
+PROG = "python -m service.job.inputs.prepare"
+
 
 def documents(paths: list[str], field: str) -> Iterator[str]:
     """Documents in input order: JSONL lines' ``field``, or whole text files."""
@@ -169,7 +172,7 @@ def run(args) -> int:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_arguments(ap)
     return run(ap.parse_args(argv))
 

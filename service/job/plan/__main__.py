@@ -1,24 +1,39 @@
 """``python -m service.job.plan --model llama3-70b --nodes 8 --gpus-per-node 8 [--tp 8]
-[--ep 8]``: the layout, the per-rank predictions and the mode for a model on synthetic
-GPU nodes."""
+[--ep 8]``: the verdict (fits, or not and the smallest layout that does), then the
+layout, the per-rank predictions and the mode for a model on synthetic GPU nodes. Exit
+code 0 when the layout fits, 1 when it does not, 2 for a usage error."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
 from ..models.dtypes import DTYPES
-from ..spec import parse_spec
+from ..spec import SpecError, parse_spec
 from ..spec.recipe_section import DMuonSpec
 from .inventory import synthetic_inventory
+from .layout_choice import PlacementError
 from .modes import DEFAULT_GPU_GB, GB
-from .predict import BANDWIDTH, predict
+from .planner_model import SEQ_CAP, names, planner_model
+from .predict import BANDWIDTH, MetaModel, predict
+from .verdict import verdict
+
+PROG = "python -m service.job.plan"
+
+
+def _degree(v: str):
+    return v if v == "auto" else int(v)
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description="the layout, predictions and mode of a model")
-    ap.add_argument("--model", default="llama3-8b")
+    ap = argparse.ArgumentParser(prog=PROG, description="the verdict, layout, predictions "
+                                 "and mode of a model on synthetic GPU nodes; exit code 0 "
+                                 "when it fits, 1 when it does not, 2 for a usage error")
+    ap.add_argument("--model", default="llama3-8b",
+                    help=f"{', '.join(names())}, or a Hugging Face config.json (or a "
+                         "directory with one)")
     ap.add_argument("--nodes", type=int, default=1)
     ap.add_argument("--gpus-per-node", type=int, default=8)
     # unset: the spec's default, and the reason says so; auto: the planner decides
@@ -28,34 +43,49 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--param-dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--reduce-dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--batch-size", type=int, default=1, help="sequences per GPU")
-    ap.add_argument("--seq-len", type=int, default=8192)
+    ap.add_argument("--seq-len", type=int,
+                    help=f"tokens per sequence (default: the model's longest, at most "
+                         f"{SEQ_CAP})")
     ap.add_argument("--device-memory-gb", type=float, default=DEFAULT_GPU_GB)
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--nvlink-gbps", type=float, default=BANDWIDTH["nvlink"] / 1e9)
     ap.add_argument("--ib-gbps", type=float, default=BANDWIDTH["infiniband"] / 1e9)
-    ap.add_argument("--tp", default="1", type=lambda v: v if v == "auto" else int(v),
+    ap.add_argument("--tp", default="1", type=_degree,
                     help="tensor-parallel degree T (layout.tp), or auto")
-    ap.add_argument("--ep", default="1", type=lambda v: v if v == "auto" else int(v),
+    ap.add_argument("--ep", default="1", type=_degree,
                     help="expert-parallel degree P (layout.ep), or auto")
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
     return ap
 
 
-def main(argv=None) -> None:
-    args = parser().parse_args(argv)
+def _spec_maker(args, model):
+    """The spec for a TP degree, the rest as the arguments say."""
     precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
                  "reduce_dtype": args.reduce_dtype}
-    spec = parse_spec({"model": args.model, "precision": precision,
-                       "batch_size": args.batch_size, "seq_len": args.seq_len,
-                       "activation_checkpointing":
-                           "non_reentrant" if args.activation_checkpointing else "none",
-                       "dmuon": {**({"mode": args.mode} if args.mode else {}),
-                                 "device_memory_gb": args.device_memory_gb},
-                       "layout": {"tp": args.tp, "ep": args.ep},
-                       "resources_per_worker": {"CPU": 1, "GPU": 1}})
+
+    def spec_for(tp):
+        return parse_spec({
+            "model": model.spec, "precision": precision, "batch_size": args.batch_size,
+            "seq_len": args.seq_len or model.default_seq_len(),
+            "activation_checkpointing":
+                "non_reentrant" if args.activation_checkpointing else "none",
+            "dmuon": {**({"mode": args.mode} if args.mode else {}),
+                      "device_memory_gb": args.device_memory_gb, **model.dmuon},
+            "layout": {"tp": tp, "ep": args.ep},
+            "resources_per_worker": {"CPU": 1, "GPU": 1}})
+    return spec_for
+
+
+def plan(args) -> int:
+    model = planner_model(args.model)
+    spec_for = _spec_maker(args, model)
+    spec = spec_for(args.tp)
+    meta = MetaModel(spec, model.source)
+    bandwidth = {"nvlink": args.nvlink_gbps * 1e9, "infiniband": args.ib_gbps * 1e9}
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
-                        bandwidth={"nvlink": args.nvlink_gbps * 1e9,
-                                   "infiniband": args.ib_gbps * 1e9})
+                        bandwidth=bandwidth, model_inputs=meta)
+    line, fits = verdict(placement, spec_for, args.gpus_per_node, args.tp, meta, bandwidth)
+    print(line)
     table = placement.table().splitlines()
     print("\n".join(table[:2 + args.ranks] if args.ranks else table))
     m = placement.modes
@@ -66,8 +96,21 @@ def main(argv=None) -> None:
     print(f"mode {m.dmuon.upper()} (FSDP2 {m.fsdp.upper()}): {m.reason}; one rank needs "
           f"Z2 {m.z2_bytes / GB:.1f} GB, Z3 {m.z3_bytes / GB:.1f} GB of "
           f"{m.device_bytes / GB:.0f} GB")
+    return 0 if fits else 1
+
+
+def main(argv=None) -> int:
+    ap = parser()
+    args = ap.parse_args(argv)
+    if args.nodes < 1 or args.gpus_per_node < 1:
+        ap.error("--nodes and --gpus-per-node must be at least 1")
+    try:
+        return plan(args)
+    except (ValueError, SpecError, PlacementError) as e:  # SpecError is a ValueError
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    main()
+    sys.exit(main())

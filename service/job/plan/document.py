@@ -60,6 +60,7 @@ class Inventory(_Doc):
     source: Literal["cluster", "assumed"]
     nodes: int
     cpus_per_node: int | None = None
+    gpus_per_node: int | None = None  # given nodes (``dmuon-svc plan --nodes``)
     reason: str | None = None
 
     @model_serializer(mode="wrap")

@@ -101,10 +101,10 @@ def decide(spec: DMuonSpec, *, params: int, gpus: int, shard: int, device_bytes:
                                "dmuon.mode: auto lets the planner choose)")
     elif params > 10e9:
         dmuon, reason = "z3", f"{size} parameters > 10B: Z3, the seeds' default"
+        if z3_bytes > usable:  # step 2 says so too
+            reason += f"; {_not_even_z3(z3_bytes, memory, device_bytes)}"
     elif z3_bytes > usable:
-        dmuon, reason = "z3", (f"even Z3 needs {z3_bytes / GB:.1f} GB of {memory} "
-                               f"{device_bytes / GB:.0f} GB: it does not fit; do not switch "
-                               "to Z2 (check activations and accumulation first)")
+        dmuon, reason = "z3", _not_even_z3(z3_bytes, memory, device_bytes)
     elif shard == 1:
         dmuon, reason = "z3", "one rank per shard group: Z2 would save no bytes"
     else:
@@ -116,6 +116,12 @@ def decide(spec: DMuonSpec, *, params: int, gpus: int, shard: int, device_bytes:
     fits = (z2_bytes if dmuon == "z2" else z3_bytes) <= usable
     return ModeChoice(dmuon, spec.fsdp_mode(dmuon), reason, params, gpus, int(device_bytes),
                       int(z2_bytes), int(z3_bytes), int(resident_pm), fits)
+
+
+def _not_even_z3(z3_bytes: int, memory: str, device_bytes: float) -> str:
+    return (f"even Z3 needs {z3_bytes / GB:.1f} GB of {memory} {device_bytes / GB:.0f} GB: "
+            "it does not fit; do not switch to Z2 (check activations and accumulation "
+            "first)")
 
 
 def _by_size(b: float, size: str, on: str, world: int, free: float, extra: float,

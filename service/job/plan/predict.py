@@ -81,11 +81,13 @@ class Placement:
         T, P = self.tp, self.ep
         dims = "replicate x shard" + (" x tp" if T > 1 else "")
         coord = "(r,s,t)" if T > 1 else "(r,s)"
-        lines = [f"layout {self.layout.shown()} ({dims}) on {self.nodes} "
-                 f"nodes; imbalance {self.plan.imbalance:.4f}",
+        nodes = f"{self.nodes} node" + ("" if self.nodes == 1 else "s")
+        peak = f"peak GB ({self.modes.dmuon.upper() if self.modes else 'Z3'})"
+        lines = [f"layout {self.layout.shown()} ({dims}) on {nodes}; "
+                 f"imbalance {self.plan.imbalance:.4f}",
                  f"{'rank':>5} {coord:>9}" + (f" {'ep':>3}" if P > 1 else "")
                  + f" {'owned elts':>14} {'NS TFLOP':>9} "
-                 f"{'owned+mom GB':>12} {'Z2 packed GB':>12} {'Z3 peak GB':>10} "
+                 f"{'owned+mom GB':>12} {'Z2 packed GB':>12} {peak:>12} "
                  f"{'shard GB/step':>13} {'repl GB/step':>12}"
                  + (f" {'tp GB/step':>10}" if T > 1 else "")
                  + (f" {'ep GB/step':>10}" if P > 1 else "") + f" {'comm s':>8}"]
@@ -97,7 +99,7 @@ class Placement:
                 f"{r.rank:>5} {where:>9}" + (f" {r.coord[1] % P:>3}" if P > 1 else "")
                 + f" {r.owned_elements:>14,} {r.ns_flops / 1e12:>9.2f}"
                 f" {(r.memory['owned_params'] + r.memory['momentum']) / 1e9:>12.2f}"
-                f" {self.z2_packed_bytes / 1e9:>12.2f} {r.packed_peak / 1e9:>10.2f}"
+                f" {self.z2_packed_bytes / 1e9:>12.2f} {r.packed_peak / 1e9:>12.2f}"
                 f" {moved['shard'] / 1e9:>13.2f} {moved['replicate'] / 1e9:>12.2f}"
                 + (f" {moved['tp'] / 1e9:>10.2f}" if T > 1 else "")
                 + (f" {moved['ep'] / 1e9:>10.2f}" if P > 1 else "")
@@ -143,6 +145,11 @@ def _clip_bytes(spec: JobSpec, n: int, r: int, master: int, t: int = 1) -> dict[
     if t > 1:
         out["tp"] = Fraction(2 * (t - 1), t) * size
     return out
+
+
+def _row_moments(spec: JobSpec) -> bool:
+    """NorMuon keeps a second moment per row of each owned matrix (``dmuon.normuon``)."""
+    return spec.optimizer.variant == "normuon"
 
 
 def _gram_elt(spec: JobSpec, master: int) -> int:
@@ -286,7 +293,8 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
         ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}
                   for d, p in ledger.items()}
         memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=elt,
-                                           master_bytes=master),
+                                               master_bytes=master,
+                                               row_moments=_row_moments(spec)),
                   "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
         ranks.append(RankPrediction(
@@ -331,7 +339,7 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
     for rank in range(world):
         fsdp, adamw = fsdp_by_index[rank % shard]
         held = planning.memory_prediction(plan, rank, z3=True, param_bytes=elt,
-                                          master_bytes=master)
+                                          master_bytes=master, row_moments=_row_moments(spec))
         grads = elements[rank] * master + fsdp
         worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
                     + grads)

@@ -35,7 +35,12 @@ def _printable(text: str) -> str:
 
 
 class SpecError(ValueError):
-    """A spec that failed validation; the message lists every field path and reason."""
+    """A spec that failed validation; the message lists every field path and reason, and
+    ``fields`` (when validation gave them) holds one ``spec.<path>: reason`` per field."""
+
+    def __init__(self, message: str = "", fields: list[str] | None = None):
+        super().__init__(message)
+        self.fields = fields or []
 
 def text(max_length: int, min_length: int = 0):
     """A string field type: bounded, printable Unicode."""

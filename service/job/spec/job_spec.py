@@ -103,7 +103,7 @@ class JobSpec(_Strict):
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
     clip_grad_norm: float | None = Field(1.0, gt=0, le=1e9,
-                                         description="global max norm (null: none)")
+                                         description="global max norm (null: no clipping)")
     max_nonfinite_steps: int = Field(
         3, ge=0, le=1 << 20, description="consecutive steps skipped for a non-finite "
         "gradient (optimizer.skip_nonfinite) before the job fails naming the step, the "
@@ -127,6 +127,14 @@ class JobSpec(_Strict):
     @classmethod
     def _known_model(cls, v):
         return check_preset(v)
+
+    @field_validator("clip_grad_norm", mode="before")
+    @classmethod
+    def _clip_off_is_null(cls, v):
+        """0 reads as "no clipping" to some; the spec says that with null."""
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and v <= 0:
+            raise ValueError(f"{v} is not a max norm (> 0); null turns clipping off")
+        return v
 
     @field_validator("seq_len")
     @classmethod
@@ -234,7 +242,9 @@ def parse_spec(data: Any) -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as e:
-        raise SpecError(f"invalid job spec: {format_errors(e)}") from None
+        raise SpecError(f"invalid job spec: {format_errors(e)}",
+                        fields=[f"spec.{field_path(x['loc']) or '<root>'}: {x['msg']}"
+                                for x in e.errors()]) from None
 
 
 def load_spec(path: str | pathlib.Path) -> JobSpec:

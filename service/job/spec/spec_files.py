@@ -96,12 +96,16 @@ _PARSERS = {"YAML": _yaml, "JSON": _json, "TOML": _toml}
 def read_spec_file(path: str | pathlib.Path) -> dict:
     """The mapping a spec file holds, parsed as its extension says; ``SpecFileError``
     for an unknown extension, a file that does not parse, or one that is not a mapping.
-    A file that cannot be opened raises ``OSError``."""
+    A file that cannot be read is a ``SpecFileError`` too, saying why."""
     fmt = FORMATS.get(pathlib.Path(path).suffix.lower())
     if fmt is None:
         raise SpecFileError(path, f"unknown spec format {pathlib.Path(path).suffix!r}: a "
                                   f"spec file ends in {', '.join(FORMATS)}")
-    text = _decode(path, pathlib.Path(path).read_bytes())
+    try:
+        raw = pathlib.Path(path).read_bytes()
+    except OSError as e:
+        raise SpecFileError(path, f"cannot read the spec file: {e.strerror or e}") from None
+    text = _decode(path, raw)
     data = _PARSERS[fmt](path, text)
     if data is None and fmt == "YAML":  # an empty YAML file: every default
         data = {}
