@@ -90,16 +90,16 @@ class Planner:
 def ep_link(placement) -> str:
     """The link the ``ep`` dim crosses: a host's NVLink when the EP group's P ranks lie
     inside one host (predict's ``ep_in_node``), else InfiniBand."""
-    per_host = placement.world_size // placement.nodes
-    return "NVLink" if per_host % (placement.ep * placement.tp) == 0 else "IB"
+    per_host = placement.world_size // placement.layout.nodes
+    return "NVLink" if per_host % (placement.layout.ep * placement.layout.tp) == 0 else "IB"
 
 
 def _row(name: str, hosts: int, kind: str, p, global_rows: int = GLOBAL_ROWS) -> dict:
     m, ranks = p.modes, p.ranks
     worst = max(ranks, key=lambda r: r.comm_seconds)
-    return {"model": name, "ep": p.ep, "hosts": hosts, "gpus": p.world_size,
-            "layout": [p.replicate, p.shard], "kind": kind, "ep_link": ep_link(p),
-            "micro_batches": global_rows // (p.replicate * p.shard * p.spec.batch_size),
+    return {"model": name, "ep": p.layout.ep, "hosts": hosts, "gpus": p.world_size,
+            "layout": [p.layout.replicate, p.layout.shard], "kind": kind, "ep_link": ep_link(p),
+            "micro_batches": global_rows // (p.layout.dp_size * p.spec.batch_size),
             "mode": m.dmuon, "fits": m.fits, "params": m.params,
             "resident_bytes": max(sum(r.memory.values()) for r in ranks),
             "peak_bytes": needed_bytes(m), "packed_peak_bytes": max(r.packed_peak

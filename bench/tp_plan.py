@@ -48,11 +48,10 @@ def _row(name: str, hosts: int, kind: str, placement) -> dict:
     m, ranks = placement.modes, placement.ranks
     worst = max(ranks, key=lambda r: r.comm_seconds)
     # a rank's share: the logits stay sharded on the vocabulary (loss parallel)
-    elt_logits = SEQ * placement.spec.batch_size * 128256 * (2 + 4) // placement.tp
-    return {"model": name, "tp": placement.tp, "hosts": hosts, "gpus": placement.world_size,
-            "layout": [placement.replicate, placement.shard, placement.tp], "kind": kind,
-            "micro_batches": GLOBAL_ROWS // (placement.replicate * placement.shard
-                                             * placement.spec.batch_size),
+    elt_logits = SEQ * placement.spec.batch_size * 128256 * (2 + 4) // placement.layout.tp
+    return {"model": name, "tp": placement.layout.tp, "hosts": hosts, "gpus": placement.world_size,
+            "layout": list(placement.layout.mesh_shape), "kind": kind,
+            "micro_batches": GLOBAL_ROWS // (placement.layout.dp_size * placement.spec.batch_size),
             "mode": m.dmuon, "fits": m.fits,
             "resident_bytes": max(sum(r.memory.values()) for r in ranks),
             "peak_bytes": needed_bytes(m), "logits_bytes": elt_logits,
@@ -108,7 +107,7 @@ def torchtitan_rows() -> list[dict]:
                  device_gb=device_gb)
         p = predict(s, synthetic_inventory(hosts, GPUS_PER_HOST))
         row = _row(name, hosts, "torchtitan", p)
-        row.update(case=label, micro_batches=rows // (p.replicate * p.shard * batch),
+        row.update(case=label, micro_batches=rows // (p.layout.dp_size * batch),
                    device_bytes=p.modes.device_bytes)
         out.append(row)
     return out

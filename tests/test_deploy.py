@@ -258,7 +258,7 @@ def test_rayjob_runs_the_entrypoint_on_the_mounted_spec(rendered, tree, tmp_path
     cpus = int(worker["rayStartParams"].get("num-cpus", res["limits"]["cpu"]))
     placement = predict(loaded[0], synthetic_inventory(worker["replicas"], gpus, cpus))
     per_pod = gpus if gpus else cpus // int(loaded[0].resources_per_worker.CPU)
-    assert (placement.replicate, placement.shard) == (worker["replicas"], per_pod)
+    assert (placement.layout.replicate, placement.layout.shard) == (worker["replicas"], per_pod)
 
 
 def test_control_plane_matches_the_code(rendered, tmp_path, monkeypatch):

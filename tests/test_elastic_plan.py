@@ -179,7 +179,7 @@ def test_the_workers_counted_between_steps_are_the_ones_ray_train_would_start(
     from ray.train import ScalingConfig
     from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 
-    from service.job.plan.document import Scaling
+    from service.job.plan_document import Scaling
     from service.worker.capacity import worker_resources, workers_on
 
     scaling = Scaling(num_workers=max_workers, use_gpu=use_gpu, resources_per_worker=resources,

@@ -12,9 +12,9 @@ import pytest
 
 import dmuon
 from service.job.models.source import BUILTIN, ModelSource
-from service.job.plan.document import partition_digest
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.predict import predict
+from service.job.plan_document import partition_digest
 from service.job.spec import SpecError, parse_spec
 
 QWEN3_MOE = {"vocab_size": 256, "hidden_size": 32, "intermediate_size": 64,
@@ -179,12 +179,14 @@ def test_a_deferred_plan_and_an_elastic_range_carry_the_ep_degree():
     keeps the spec's P in its layout; an elastic range's every node count too, equal to
     its partition's."""
     from service.job.plan.elastic import elastic_document
+    from service.job.plan.layout_choice import choose_layout
     from service.job.plan.make import deferred_document
 
     assumed = {"source": "assumed", "nodes": 1, "cpus_per_node": 4, "reason": "no cluster"}
     for ep in (1, 2):
         spec = spec_of({"replicate": 1, "shard": 4, "ep": ep})
-        assert deferred_document(spec, (1, 1, 4, 1), assumed, "x").layout.ep == ep
+        layout = choose_layout(cpus(), spec)
+        assert deferred_document(spec, layout, assumed, "x").layout.ep == ep
     spec = parse_spec({"model": "small-moe", "global_batch_tokens": 256, "seq_len": 16,
                        "batch_size": 2, "checkpoint": {"interval": 2},
                        "layout": {"workers_per_node": 2, "ep": 2,

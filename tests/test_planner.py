@@ -75,7 +75,7 @@ def test_planner_bytes_follow_the_seed_formulas(model, nodes):
                            "clip_grad_norm": None,  # its all-reduce: tests/test_modes.py
                            **GPU})
         placement = predict(spec, synthetic_inventory(nodes, 8))
-        assert (placement.replicate, placement.shard) == (nodes, 8)
+        assert (placement.layout.replicate, placement.layout.shard) == (nodes, 8)
         units = len(placement.plan.params)
         for rank in (placement.ranks[0], placement.ranks[-1]):
             shard = sum(v for k, v in rank.ledger["shard"].items() if k != "step")
@@ -251,7 +251,7 @@ def test_the_dashboard_names_dmuons_memory_kinds_without_importing_dmuon():
     import sys
 
     import dmuon
-    from service.job.plan.document import MEMORY_KINDS
+    from service.job.plan_document import MEMORY_KINDS
 
     assert MEMORY_KINDS == dmuon.MEMORY_KINDS
     code = "import sys, service.control.dashboard; print('dmuon' in sys.modules)"

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 import dmuon
-from service.job.plan.document import Layout, PlanDocument, partition_digest
 from service.job.plan.elastic import elastic_document
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.layout_choice import PlacementError, check_fits
 from service.job.plan.predict import predict
+from service.job.plan_document import Layout, PlanDocument, partition_digest
 from service.job.spec import SpecError, parse_spec
 
 # the tiny preset: vocabulary 256, hidden 64, 2 blocks, 4 heads and 2 KV heads of 16
@@ -61,7 +61,7 @@ def test_bad_tp_specs_are_refused_naming_the_field(change, says):
 
 def test_layouts_put_tp_groups_inside_a_node_and_scale_to_r_n_t():
     p = predict(tiny({"tp": 2}), cpus(2, 4))
-    assert (p.replicate, p.shard, p.tp, p.world_size) == (2, 2, 2, 8)
+    assert (p.layout.replicate, p.layout.shard, p.layout.tp, p.world_size) == (2, 2, 2, 8)
     assert p.scaling_config_kwargs()["num_workers"] == 8
     assert [r.coord for r in p.ranks[:5]] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1),
                                               (1, 0, 0)]
@@ -238,7 +238,7 @@ def test_tp_auto_takes_the_smallest_degree_the_global_batch_splits_on():
     # 2 sequences of 16 per step: 4 data-parallel ranks (T = 1) cannot share them
     spec = tiny({"tp": "auto"}, global_batch_tokens=2 * 16 * 2)
     p = predict(spec, cpus(1, 4))
-    assert (p.replicate, p.shard, p.tp) == (1, 2, 2)
+    assert (p.layout.replicate, p.layout.shard, p.layout.tp) == (1, 2, 2)
     assert "layout.tp: auto chose T=2" in p.modes.reason and "T=1: global_batch_tokens" \
         in p.modes.reason
 
@@ -255,7 +255,7 @@ def test_tp_auto_takes_the_smallest_degree_that_fits_memory():
     smallest = min(T for T, ok in fits.items() if ok)
     assert smallest > 1, fits  # the case this test is about: DP alone does not fit
     chosen = predict(spec("auto"), nodes)
-    assert chosen.tp == smallest and chosen.modes.fits
+    assert chosen.layout.tp == smallest and chosen.modes.fits
 
 
 def test_the_elastic_range_keeps_t_and_varies_r():
@@ -269,7 +269,8 @@ def test_the_elastic_range_keeps_t_and_varies_r():
     assert all(len(e.ranks) == e.layout.world_size and len(e.ranks[0].coord) == 3
                for e in plan.elastic)
     assert (plan.scaling.num_workers, plan.scaling.min_workers) == (12, 4)
-    assert plan.for_world(8).layout == Layout(replicate=2, shard=2, nodes=2, tp=2)
+    assert plan.for_world(8).layout == Layout(replicate=2, shard=2, nodes=2, tp=2,
+                                              micro_batches=3, rows_per_micro=1)
 
 
 def test_a_document_stored_before_tp_still_loads():

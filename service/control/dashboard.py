@@ -15,7 +15,7 @@ from fastapi import FastAPI
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 
-from service.job.plan.document import MEMORY_KINDS
+from service.job.plan_document import MEMORY_KINDS
 
 STATIC = resources.files("service.control") / "static"
 

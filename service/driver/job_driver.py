@@ -51,7 +51,7 @@ from service.job import failure  # noqa: E402
 from service.job.inputs import resolve_inputs  # noqa: E402
 from service.job.job import Job  # noqa: E402
 from service.job.job_dir import EXPORT_FAILURE, FAILURE, PLAN  # noqa: E402
-from service.job.plan.document import PlanDocument  # noqa: E402
+from service.job.plan_document import PlanDocument  # noqa: E402
 from service.job.spec import SpecError, load_spec  # noqa: E402
 
 from . import register  # noqa: E402
@@ -123,9 +123,8 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
-    from service.job.plan.document import Layout
     from service.job.plan.layout_choice import check_fits
-    from service.job.plan.make import elastic_plan, placement_document
+    from service.job.plan.make import elastic_plan, placement_document, with_batch_splits
     from service.job.plan.predict import predict
 
     from .ray_inventory import inventory_from_ray
@@ -138,16 +137,14 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
                 update={"completed_by": "entrypoint", "inventory": plan.inventory})
         placement = predict(spec, nodes, model_inputs=model_inputs)
         return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
+    plan = with_batch_splits(spec, plan)  # a document stored before layouts carried it
     if plan.elastic is not None:  # Ray Train waits for the range's smallest count of nodes
-        check_fits(Layout(replicate=1, shard=plan.layout.shard, tp=plan.layout.tp, nodes=1),
-                   spec, nodes)
+        check_fits(plan.layout.replace(replicate=1, nodes=1), spec, nodes)
         return plan
     check_fits(plan.layout, spec, nodes)
     if plan.complete:
         return plan
-    lay = plan.layout
-    placement = predict(spec, nodes, model_inputs=model_inputs,
-                        layout=(lay.nodes, lay.replicate, lay.shard, lay.tp))
+    placement = predict(spec, nodes, model_inputs=model_inputs, layout=plan.layout)
     completed = placement_document(placement, plan.inventory.model_dump())
     return completed.model_copy(update={"completed_by": "entrypoint"})
 
@@ -176,7 +173,7 @@ def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, PLAN), "w") as fh:  # what the workers run
         fh.write(plan.model_dump_json())
-    if plan_url and plan is not stored:  # completed here: the control plane stores it
+    if plan_url and stored is not None and not stored.complete:  # completed here: stored
         send(plan_url, plan.model_dump(mode="json"), token, method="put")
     # made once, from the plan just stored, and handed to every worker as it is
     config = {"job": Job.stored(spec, plan, inputs, job_dir, export_only),

@@ -5,7 +5,7 @@ for certain)."""
 from __future__ import annotations
 
 from service.job.models.source import ModelSource
-from service.job.plan.document import PlanDocument
+from service.job.plan_document import PlanDocument
 from service.job.spec import JobSpec
 
 

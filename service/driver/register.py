@@ -14,7 +14,7 @@ import json
 import os
 import sys
 
-from service.job.plan.document import PlanDocument
+from service.job.plan_document import PlanDocument
 
 # Ray's job supervisor hands the entrypoint its job config, the submission id included
 JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"

@@ -11,7 +11,7 @@ import dataclasses
 import os
 
 from .job_dir import CHECKPOINTS, EXPORT
-from .plan.document import PlanDocument
+from .plan_document import PlanDocument
 from .spec import JobSpec, parse_spec
 
 

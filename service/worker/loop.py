@@ -23,9 +23,9 @@ from service.job.models.dtypes import DTYPES, muon_kwargs
 from service.job.models.experts import is_expert, use_expert_parallel
 from service.job.models.source import BUILTIN
 from service.job.models.tp_plans import apply_tp
-from service.job.plan.document import PlanDocument, partition_digest
 from service.job.plan.ep_costs import moe_shape, resolve_ep
 from service.job.plan.layout_choice import batch_split
+from service.job.plan_document import PlanDocument, partition_digest
 from service.job.spec import JobSpec
 
 from . import checkpoints, layout_events, training_recipe

@@ -3,6 +3,7 @@ submit``, list, read, cancel, partition, and a plan without a job."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import secrets
 from typing import Annotated, Literal
@@ -15,9 +16,9 @@ from service.job.inputs import resolve_inputs, resolve_model
 from service.job.inputs.working_dir import PackageError, runtime_working_dir
 from service.job.job_dir import EXPORT
 from service.job.models.params import ParamRuleError
-from service.job.plan.document import Layout, PlanDocument
 from service.job.plan.layout_choice import PlacementError
 from service.job.plan.make import plan_document
+from service.job.plan_document import PlanDocument, stored_layout
 from service.job.spec import JobSpec, SpecError, named_field, text
 
 from ..auth import JOB_ID, JobId, guarded, token_hash
@@ -212,11 +213,15 @@ def complete_plan(job_id: JobId, plan: PlanDocument, request: Request):
     stored = _job_or_404(store, job_id, with_plan=True)["plan"]
     if stored is None or stored.get("partition") is not None:
         raise HTTPException(409, f"job {job_id} has a complete plan; it is not replaced")
-    # a deferred plan stored before tensor parallelism has no layout.tp: its default
-    if not plan.complete or plan.layout != Layout.model_validate(stored["layout"]):
+    # a deferred plan stored before tensor parallelism has no layout.tp (its default),
+    # one stored before the layout carried the batch split has none to compare
+    was = stored_layout(stored["layout"])
+    done = plan.layout if was.micro_batches is not None else plan.layout.replace(
+        micro_batches=None, rows_per_micro=None)
+    if not plan.complete or done != was:
         raise HTTPException(422, [{"field": "layout", "message":
                                    f"a completed plan on the stored layout {stored['layout']} "
-                                   f"is expected, got {plan.layout.model_dump()}"
+                                   f"is expected, got {dataclasses.asdict(plan.layout)}"
                                    f"{'' if plan.complete else ' without a partition'}"}])
     if not store.complete_plan(job_id, stored, plan.model_dump(mode="json")):
         raise HTTPException(409, f"job {job_id}'s plan changed meanwhile")

@@ -9,27 +9,12 @@ takes the smallest T whose range runs."""
 from __future__ import annotations
 
 from ..models.source import ModelSource
+from ..plan_document import ElasticLayout, Inventory, PlanDocument
 from ..spec import JobSpec, SpecError
-from .document import ElasticLayout, Inventory, Layout, PlanDocument
 from .inventory import NodeInfo
-from .layout_choice import PlacementError, batch_split, slots, spec_tp
+from .layout_choice import PlacementError, layout_of, nodes_and_workers, scaling_kwargs, spec_tp
 from .modes import GB, HEADROOM
-from .predict import Placement, needed_bytes, predict
-
-
-def workers_per_node(spec: JobSpec, node: NodeInfo) -> int:
-    """N of every layout in the range: the spec's ``workers_per_node``, else what the
-    node shape holds."""
-    fit = slots(node, spec)
-    if fit == 0:
-        raise PlacementError(f"no node fits one worker needing {spec.resources_per_worker}",
-                             "resources_per_worker")
-    wanted = spec.layout.workers_per_node
-    if wanted != "auto" and wanted > fit:
-        raise PlacementError(f"layout.workers_per_node={wanted} but a node fits only {fit} "
-                             f"workers of {spec.resources_per_worker.model_dump()}",
-                             "layout.workers_per_node")
-    return fit if wanted == "auto" else wanted
+from .predict import needed_bytes, predict
 
 
 def _size(n: float) -> str:
@@ -39,15 +24,16 @@ def _size(n: float) -> str:
 def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
            model_inputs: ModelSource | None | bool) -> tuple[ElasticLayout, dict | None]:
     """(node count ``n``'s entry, the Muon/AdamW split it predicted with)."""
-    layout = Layout(replicate=n, shard=per_node // T, nodes=n, tp=T)
     try:
-        micros, rows = batch_split(spec, layout.dp_size)
-    except ValueError as e:
+        layout = layout_of(spec, n, per_node, n, per_node // T, T)
+    except PlacementError as e:  # the global batch does not split on this count
+        if e.field != "global_batch_tokens":
+            raise
+        layout = layout_of(spec, n, per_node, n, per_node // T, T, batch=False)
         return ElasticLayout(layout=layout, refused=str(e)), None
-    if model_inputs is False:  # deferred: the job's entrypoint predicts it
-        return ElasticLayout(layout=layout, micro_batches=micros, rows_per_micro=rows), None
-    placement = predict(spec, [node] * n, model_inputs=model_inputs,
-                        layout=(n, n, per_node // T, T))
+    if model_inputs is False:  # deferred: the job's driver predicts it
+        return ElasticLayout(layout=layout), None
+    placement = predict(spec, [node] * n, model_inputs=model_inputs, layout=layout)
     layout = placement.layout  # with the EP degree the partition was made for
     modes, refused = placement.modes, None
     if not modes.fits:
@@ -55,9 +41,8 @@ def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
         refused = (f"a rank would hold {_size(held)} in {modes.dmuon.upper()}, over the "
                    f"{_size(HEADROOM * modes.device_bytes)} usable of its "
                    f"{_size(modes.device_bytes)}")
-    return ElasticLayout(layout=layout, micro_batches=micros, rows_per_micro=rows,
-                         modes=modes.to_dict(), ranks=placement.ranks, refused=refused,
-                         partition=placement.plan.to_dict()), placement.split
+    return ElasticLayout(layout=layout, modes=modes.to_dict(), ranks=placement.ranks,
+                         refused=refused, partition=placement.plan.to_dict()), placement.split
 
 
 def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
@@ -67,7 +52,7 @@ def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
     the job can build). Refuses a range with no runnable count, naming each one's reason,
     and one with a count that cannot run between two that can. ``tp: auto``: the
     smallest T (dividing the node's workers) whose range runs."""
-    per_node = workers_per_node(spec, node)
+    _, per_node = nodes_and_workers([node], spec)
     T = spec_tp(spec)
     if T is not None:
         return _range_document(spec, node, inventory, model_inputs, per_node, T)
@@ -78,7 +63,7 @@ def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
     for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
         try:
             return _range_document(spec, node, inventory, model_inputs, per_node, T)
-        except SpecError as e:
+        except (SpecError, PlacementError) as e:
             refusals.append(f"T={T}: {str(e).removeprefix('layout.')}")
     raise SpecError("layout.tp: auto: no tensor-parallel degree runs the range: "
                     + "; ".join(refusals))
@@ -104,8 +89,7 @@ def _range_document(spec: JobSpec, node: NodeInfo, inventory: dict, model_inputs
             f"lie between runnable counts {counts[0]} and {counts[-1]} but cannot run "
             f"({inside[0].refused}); narrow the range or change global_batch_tokens")
     top, split = runnable[-1]
-    scaling = Placement(spec, top.layout.nodes, top.layout.replicate, top.layout.shard,
-                        None, [], tp=T).scaling_config_kwargs()
+    scaling = scaling_kwargs(spec, top.layout)
     scaling.update(min_workers=runnable[0][0].layout.world_size,
                    elastic_resize_monitor_interval_s=rng.resize_check_s)
     return PlanDocument(layout=top.layout, inventory=Inventory(**inventory), scaling=scaling,

@@ -1,27 +1,24 @@
-"""How a layout is chosen and what it splits: R x N x T (replicate x shard x tp) from a
-cluster inventory and the spec, the check that a stored layout still fits the cluster, the
+"""How a layout is chosen and what it splits: the ``Layout`` (R x N x T, replicate x
+shard x tp, its hosts and its batch split) from a cluster inventory and the spec, Ray
+Train's scaling for it, the check that a stored layout still fits the cluster, the
 micro-batches per step, and the rows FSDP2 gives each shard.
 
-Torch-free: the control plane and the workers both use it."""
+Torch-free: the control plane and the driver plan with it; the workers read the layout
+it made from the stored plan."""
 
 from __future__ import annotations
 
 import math
 
+from ..layout import Layout, PlacementError
 from ..spec import JobSpec
-from .document import Layout
 from .inventory import NodeInfo
 
+__all__ = ["Layout", "PlacementError", "batch_split", "check_fits", "choose_layout",
+           "fsdp2_rows", "layout_of", "nodes_and_workers", "scaling_kwargs", "slots",
+           "spec_tp"]
+
 MAX_WORKERS = 16384  # per job: far past any cluster we plan for, and a plan stays quick
-
-
-class PlacementError(ValueError):
-    """A layout that cannot run on this cluster; the message says why and ``field`` names
-    the spec field it refuses (``layout.tp``), as a 422 names it (``spec.layout.tp``)."""
-
-    def __init__(self, message: str, field: str = "layout"):
-        super().__init__(message)
-        self.field = field
 
 
 def _mesh_field(spec: JobSpec, tp: int) -> str:
@@ -46,13 +43,9 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[in
     """(R, N) as the spec factorises the workers into R x N x T (replicate across nodes
     by default, the T ranks of a tensor-parallel group inside one node)."""
     lay, total = spec.layout, n_nodes * per_node
-    if per_node % tp:
-        raise PlacementError(
-            f"layout.tp={tp} must divide the {per_node} workers per node: a tensor-parallel "
-            "group never spans nodes (its activation collectives run over the node's "
-            "NVLink)", "layout.tp")
-    if lay.replicate is None and lay.shard is None:
-        return n_nodes, per_node // tp
+    if (lay.replicate is None and lay.shard is None) or per_node % tp:
+        # a T that does not divide the node's workers: Layout's check refuses it
+        return n_nodes, max(1, per_node // tp)
     groups = total // tp
     R = lay.replicate or groups // lay.shard
     N = lay.shard or groups // lay.replicate
@@ -61,13 +54,7 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[in
         raise PlacementError(
             f"{mesh} = {R * N * tp} workers cannot be split evenly over {n_nodes} nodes of "
             f"{per_node} workers ({total} in all)", _mesh_field(spec, tp))
-    row = N * tp
-    if per_node % row and row % per_node:
-        raise PlacementError(
-            f"shard size N={N}" + (f" x tp={tp}" if tp > 1 else "") + f" must divide or be "
-            f"a multiple of {per_node} workers per node, so that shard groups do not "
-            "straddle nodes unevenly", _mesh_field(spec, tp))
-    return R, N
+    return R, N  # how shard groups sit on the nodes: Layout's own check
 
 
 def spec_tp(spec: JobSpec) -> int | None:
@@ -105,20 +92,44 @@ def nodes_and_workers(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int]:
     return n_nodes, per_node
 
 
-def choose_layout(nodes: list[NodeInfo], spec: JobSpec,
-                  tp: int | None = None) -> tuple[int, int, int, int]:
-    """(nodes used, R, N, T): T is ``tp``, else the spec's (1 for ``tp: auto``, whose
-    choice is the planner's). Refuses uneven or impossible layouts with the reason."""
+def choose_layout(nodes: list[NodeInfo], spec: JobSpec, tp: int | None = None) -> Layout:
+    """The layout on these nodes: T is ``tp``, else the spec's (1 for ``tp: auto``, whose
+    choice is the planner's); P the spec's (1 for ``ep: auto``, which the planner
+    resolves on the model). Refuses uneven or impossible layouts with the reason."""
     n_nodes, per_node = nodes_and_workers(nodes, spec)
     T = tp or spec_tp(spec) or 1
-    return (n_nodes, *_factorised(spec, n_nodes, per_node, T), T)
+    return layout_of(spec, n_nodes, per_node, *_factorised(spec, n_nodes, per_node, T), T)
+
+
+def layout_of(spec: JobSpec, nodes: int, per_node: int, R: int, N: int, T: int,
+              batch: bool = True) -> Layout:
+    """R x N x T on ``nodes`` hosts of ``per_node`` workers, with the spec's EP degree
+    and (``batch``) the spec's global batch split over its R x N data-parallel ranks; a
+    batch that does not split is refused naming ``global_batch_tokens``."""
+    ep = spec.layout.ep if isinstance(spec.layout.ep, int) else 1
+    split = {}
+    if batch:
+        try:
+            micros, rows = batch_split(spec, R * N)
+        except ValueError as e:
+            raise PlacementError(str(e), "global_batch_tokens") from None
+        split = {"micro_batches": micros, "rows_per_micro": rows}
+    return Layout(R, N, nodes, tp=T, ep=ep, workers_per_node=per_node, **split)
+
+
+def scaling_kwargs(spec: JobSpec, layout: Layout) -> dict:
+    """``ray.train.ScalingConfig``'s arguments for ``layout``: one worker per rank, each
+    reserving the spec's resources, packed onto as few nodes as hold them."""
+    req = spec.resources_per_worker
+    resources = {"CPU": req.CPU, **({"GPU": req.GPU} if req.GPU else {}), **req.custom}
+    return {"num_workers": layout.world_size, "use_gpu": req.GPU > 0,
+            "resources_per_worker": resources, "placement_strategy": "PACK"}
 
 
 def check_fits(layout: Layout, spec: JobSpec, nodes: list[NodeInfo]) -> None:
     """Refuse, with the reason, a stored layout that the cluster cannot hold now: its
-    ``nodes`` nodes must each fit ``replicate * shard * tp / nodes`` workers of the spec."""
-    world, wanted = layout.world_size, layout.nodes
-    per_node = -(-world // wanted)
+    ``nodes`` nodes must each fit its ``workers_per_node`` workers of the spec."""
+    wanted, per_node = layout.nodes, layout.workers_per_node
     fitting = [n for n in nodes if slots(n, spec) >= per_node]
     if len(fitting) < wanted:
         raise PlacementError(

@@ -7,11 +7,19 @@ from __future__ import annotations
 
 import threading
 
+from ..layout import Layout
+from ..plan_document import Inventory, PlanDocument
 from ..spec import JobSpec, SpecError
-from .document import Inventory, PlanDocument
 from .elastic import elastic_document
 from .inventory import NodeInfo, synthetic_inventory
-from .layout_choice import PlacementError, choose_layout, slots, spec_tp
+from .layout_choice import (
+    PlacementError,
+    batch_split,
+    choose_layout,
+    scaling_kwargs,
+    slots,
+    spec_tp,
+)
 from .predict import MetaModel, Placement, predict
 
 
@@ -101,14 +109,32 @@ def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
         partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
 
 
-def deferred_document(spec: JobSpec, layout: tuple[int, int, int, int], inventory: dict,
+def deferred_document(spec: JobSpec, layout: Layout, inventory: dict,
                       reason: str) -> PlanDocument:
     """The layout alone, for a model only the job's own processes can import: the job's
-    entrypoint completes the plan (partition, mode) once, before any worker starts, and
+    driver completes the plan (partition, mode) once, before any worker starts, and
     stores it with the job."""
-    n_nodes, R, N, T = layout
-    placement = Placement(spec, n_nodes, R, N, None, [], tp=T)
     return PlanDocument(
-        layout=placement.layout, inventory=Inventory(**inventory),
+        layout=layout, inventory=Inventory(**inventory),
         deferred=f"the model cannot be built here ({reason}); the job plans it",
-        scaling=placement.scaling_config_kwargs())
+        scaling=scaling_kwargs(spec, layout))
+
+
+def with_batch_splits(spec: JobSpec, plan: PlanDocument) -> PlanDocument:
+    """``plan`` with a batch split in every layout that can have one: a document stored
+    before the layout carried it gets it here, from its spec, once, in the driver (the
+    workers read it and compute nothing). ``plan`` itself when none lacks it."""
+    def split(layout: Layout) -> Layout:
+        try:
+            micros, rows = batch_split(spec, layout.dp_size)
+        except ValueError:  # an elastic count refused for it keeps its reason
+            return layout
+        return layout.replace(micro_batches=micros, rows_per_micro=rows)
+
+    if plan.layout.micro_batches is not None and all(
+            e.layout.micro_batches is not None or e.refused for e in plan.elastic or []):
+        return plan
+    elastic = None if plan.elastic is None else [
+        e if e.layout.micro_batches is not None else e.model_copy(
+            update={"layout": split(e.layout)}) for e in plan.elastic]
+    return plan.model_copy(update={"layout": split(plan.layout), "elastic": elastic})

@@ -19,19 +19,20 @@ import torch
 import dmuon
 from dmuon import planning
 
+from ..layout import Layout
 from ..models.dtypes import DTYPES
 from ..models.experts import is_expert
 from ..models.source import BUILTIN, ModelSource
+from ..plan_document import RankPrediction
 from ..spec import JobSpec, SpecError
-from .document import Layout, RankPrediction
 from .ep_costs import MoEShape, check_ep_boundaries, ep_ledger, moe_shape, resolve_ep
 from .inventory import NodeInfo
 from .layout_choice import (
     PlacementError,
-    batch_split,
     choose_layout,
     fsdp2_rows,
     nodes_and_workers,
+    scaling_kwargs,
     spec_tp,
 )
 from .modes import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
@@ -44,44 +45,29 @@ BANDWIDTH = {"nvlink": 450e9, "infiniband": 50e9, "loopback": 5e9}
 
 @dataclass
 class Placement:
+    """A layout's predictions: the ``Layout`` (its EP degree the partition's), the
+    stored partition, every rank's prediction, the Muon/AdamW split and the mode."""
+
     spec: JobSpec
-    nodes: int
-    replicate: int
-    shard: int
+    layout: Layout
     plan: dmuon.DedicationPlan  # the stored partition: global shapes, ``tp_size`` T
     ranks: list[RankPrediction]
     split: dict = field(default_factory=dict)  # which params got Muon, which AdamW
     modes: ModeChoice | None = None
-    tp: int = 1
     local: dmuon.DedicationPlan | None = None  # the partition as one TP rank holds it
 
     @property
-    def ep(self) -> int:
-        """P; a deferred plan (no partition yet) takes the spec's integer, else 1."""
-        if self.plan is not None:
-            return self.plan.ep_size
-        return self.spec.layout.ep if isinstance(self.spec.layout.ep, int) else 1
-
-    @property
     def world_size(self) -> int:
-        return self.replicate * self.shard * self.tp
-
-    @property
-    def layout(self) -> Layout:
-        return Layout(replicate=self.replicate, shard=self.shard, nodes=self.nodes,
-                      tp=self.tp, ep=self.ep)
+        return self.layout.world_size
 
     def scaling_config_kwargs(self) -> dict:
-        req = self.spec.resources_per_worker
-        resources = {"CPU": req.CPU, **({"GPU": req.GPU} if req.GPU else {}), **req.custom}
-        return {"num_workers": self.world_size, "use_gpu": req.GPU > 0,
-                "resources_per_worker": resources, "placement_strategy": "PACK"}
+        return scaling_kwargs(self.spec, self.layout)
 
     def table(self) -> str:
-        T, P = self.tp, self.ep
+        T, P, n = self.layout.tp, self.layout.ep, self.layout.nodes
         dims = "replicate x shard" + (" x tp" if T > 1 else "")
         coord = "(r,s,t)" if T > 1 else "(r,s)"
-        nodes = f"{self.nodes} node" + ("" if self.nodes == 1 else "s")
+        nodes = f"{n} node" + ("" if n == 1 else "s")
         peak = f"peak GB ({self.modes.dmuon.upper() if self.modes else 'Z3'})"
         lines = [f"layout {self.layout.shown()} ({dims}) on {nodes}; "
                  f"imbalance {self.plan.imbalance:.4f}",
@@ -187,26 +173,31 @@ class MetaModel:
         return self._prepared
 
 
-def _model_and_plan(spec: JobSpec, source, R: int, N: int, T: int):
-    """(model on meta, its Muon/AdamW split, the partition, its TP view, its MoE shape)
-    as the workers will make them; a TP degree the model refuses is a SpecError naming
-    ``layout.tp``. ``source``: the model's source, or the plan's ``MetaModel`` built once."""
+def _model_and_plan(spec: JobSpec, source, layout: Layout):
+    """(model on meta, its Muon/AdamW split, the partition, its TP view, its MoE shape,
+    the layout with the EP degree resolved on the model) as the workers will make them;
+    a TP degree the model refuses is a SpecError naming ``layout.tp``. ``source``: the
+    model's source, or the plan's ``MetaModel`` built once."""
     prepared = MetaModel.of(spec, source).prepared()
     model, split = prepared.model, prepared.split
     embed = _embedding(model)
+    T = layout.tp
     try:
         view = tp_view(model, T, prepared.blocks, embed.embedding_dim if embed else 0,
                        embed.num_embeddings if embed else 0)
     except ValueError as e:
         raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
     moe = moe_shape(model, split.predicate)
-    ep = resolve_ep(spec, N, moe)
+    ep = resolve_ep(spec, layout.shard, moe)
+    if ep != layout.ep:  # ep: auto, which only the model answers
+        layout = layout.replace(ep=ep)
     check_ep_boundaries(model, split, ep)
-    plan = dmuon.partition(model, predicate=split.predicate, shard_size=N, replicate_size=R,
+    plan = dmuon.partition(model, predicate=split.predicate, shard_size=layout.shard,
+                           replicate_size=layout.replicate,
                            hook_boundary_predicate=split.boundary_predicate(model),
                            experts=is_expert, ep_size=ep)
     annotate(plan, view.splits, T)
-    return model, split, plan, view, moe
+    return model, split, plan, view, moe, layout
 
 
 def _embedding(model):
@@ -216,34 +207,30 @@ def _embedding(model):
 def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
             inter_link="infiniband", bandwidth=None,
             model_inputs: ModelSource | MetaModel | None = None,
-            layout: tuple[int, int, int, int] | None = None) -> Placement:
+            layout: Layout | None = None) -> Placement:
     """Choose the layout (``tp: auto``: the smallest T that runs) and the mode, and
     predict what every rank holds and moves per step (DMuon's share from ``dmuon.planning``
     on each TP rank's shards, FSDP2's from the padded shards, TP's from the plan's
-    styles)."""
+    styles). ``layout``: the one chosen already (a stored plan's, an elastic count's)."""
     model_inputs = MetaModel.of(spec, model_inputs)  # one build for every T tried
     if layout is None and spec_tp(spec) is None:
         return _choosing_tp(spec, nodes, intra_link=intra_link, inter_link=inter_link,
                             bandwidth=bandwidth, model_inputs=model_inputs)
-    n_nodes, R, N, T = layout or choose_layout(nodes, spec)
-    try:  # refused here, before any worker starts
-        batch = batch_split(spec, R * N)
-    except ValueError as e:
-        raise SpecError(str(e)) from None
-    model, split, plan, view, moe = _model_and_plan(spec, model_inputs, R, N, T)
+    layout = layout or choose_layout(nodes, spec)
+    model, split, plan, view, moe, layout = _model_and_plan(spec, model_inputs, layout)
+    R, N, T = layout.replicate, layout.shard, layout.tp
     local = local_plan(plan, view.splits, T)
     others = view.local_shapes(model, [n for n, _ in model.named_parameters()
                                        if not split.predicate(n)])
     modes = choose_mode(spec, model, split, local, others, nodes, N, view)
-    spans_nodes = N * T > R * N * T // n_nodes  # a shard group over several nodes
-    ep_in_node = (R * N * T // n_nodes) % (plan.ep_size * T) == 0
+    spans_nodes = N * T > layout.workers_per_node  # a shard group over several nodes
+    ep_in_node = layout.workers_per_node % (layout.ep * T) == 0
     links = {"shard": inter_link if spans_nodes else intra_link if N > 1 else "loopback",
              "replicate": inter_link, "tp": intra_link,
              "ep": intra_link if ep_in_node else inter_link}
     bw = {dim: {**BANDWIDTH, **(bandwidth or {})}[link] for dim, link in links.items()}
-    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), batch, bw, moe)
-    return Placement(spec, n_nodes, R, N, plan, ranks, split.to_dict(), modes, tp=T,
-                     local=local)
+    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), layout.batch, bw, moe)
+    return Placement(spec, layout, plan, ranks, split.to_dict(), modes, local=local)
 
 
 def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
@@ -388,5 +375,5 @@ def _choosing_tp(spec: JobSpec, nodes: list[NodeInfo], **kwargs) -> Placement:
 def _with_tp_reason(placement: Placement, why: str, tried: list[str]) -> Placement:
     m = placement.modes
     over = f" (passed over: {'; '.join(tried)})" if tried else ""
-    m.reason = f"{m.reason}; layout.tp: auto chose T={placement.tp}, {why}{over}"
+    m.reason = f"{m.reason}; layout.tp: auto chose T={placement.layout.tp}, {why}{over}"
     return placement

@@ -49,8 +49,9 @@ def peak_words(p: Placement) -> str:
 
 
 def layout_words(p: Placement, gpus_per_node: int) -> str:
-    return (f"{p.nodes} node{'s' if p.nodes != 1 else ''} x {_gpus(gpus_per_node)} with "
-            f"--tp {p.tp} (layout {p.layout.shown()}, {p.modes.dmuon.upper()}, peak "
+    n = p.layout.nodes
+    return (f"{n} node{'s' if n != 1 else ''} x {_gpus(gpus_per_node)} with "
+            f"--tp {p.layout.tp} (layout {p.layout.shown()}, {p.modes.dmuon.upper()}, peak "
             f"{_gb(needed_bytes(p.modes))})")
 
 
@@ -91,7 +92,7 @@ def verdict(placement: Placement, spec_for, gpus_per_node: int, asked_tp, meta: 
     """(the verdict line, whether the layout asked for fits)."""
     if placement.modes.fits:
         return f"fits: {peak_words(placement)}", True
-    found = smallest_fit(spec_for, placement.nodes, gpus_per_node, asked_tp, meta,
+    found = smallest_fit(spec_for, placement.layout.nodes, gpus_per_node, asked_tp, meta,
                          bandwidth)
     if found is None:
         degrees = ", ".join(map(str, tp_degrees(gpus_per_node, asked_tp)))

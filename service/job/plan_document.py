@@ -1,17 +1,31 @@
 """The plan document: what the planner decided for a job, stored once and run as stored.
 
-Typed so that every reader (the API, the entrypoint, the workers, the CLI) reads the same
+Typed so that every reader (the API, the driver, the workers, the CLI) reads the same
 fields; the partition inside it is ``dmuon.DedicationPlan.to_dict()``, which the workers
-hand to ``dmuon.dedicate_params(plan=...)`` rather than partitioning again.
+hand to ``dmuon.dedicate_params(plan=...)`` rather than partitioning again. It is the
+job's data, beside ``job.py``: the workers read it and import nothing of the planner
+(``service.job.plan``). The layout is ``service.job.layout.Layout``; a document stored
+before it carried hosts and the batch split loads as it was (``stored_layout``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    computed_field,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from .layout import Layout
 
 # The kinds of a rank's memory, in ``dmuon.memory_report``'s order (``dmuon.MEMORY_KINDS``;
 # tests/test_planner.py checks they agree): named here so the control plane, which
@@ -21,37 +35,6 @@ MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "ad
 
 class _Doc(BaseModel):
     model_config = ConfigDict(extra="forbid")
-
-
-class Layout(_Doc):
-    """R x N x T (replicate x shard x tp) on ``nodes`` nodes; T = 1 (a document stored
-    before tensor parallelism has no ``tp``) is the R x N mesh."""
-
-    replicate: int
-    shard: int
-    nodes: int
-    tp: int = 1
-    ep: int = 1  # the EP group: ep consecutive shard ranks (no mesh dim of its own)
-
-    @property
-    def world_size(self) -> int:
-        return self.replicate * self.shard * self.tp
-
-    @property
-    def dp_size(self) -> int:
-        """The data-parallel ranks: the T ranks of a tensor-parallel group share one."""
-        return self.replicate * self.shard
-
-    @property
-    def mesh_shape(self) -> tuple[int, ...]:
-        """(R, N), or (R, N, T) under tensor parallelism: the workers' mesh and records."""
-        return (self.replicate, self.shard) + ((self.tp,) if self.tp > 1 else ())
-
-    def shown(self) -> str:
-        """``2 x 4``, ``2 x 2 x 2``, ``1 x 4, ep 2``: the mesh as the CLI and the
-        dashboard print it, with the EP degree where experts are split."""
-        mesh = " x ".join(map(str, self.mesh_shape))
-        return f"{mesh}, ep {self.ep}" if self.ep > 1 else mesh
 
 
 class Inventory(_Doc):
@@ -118,17 +101,53 @@ class Scaling(_Doc):
         return kwargs
 
 
+def stored_layout(value):
+    """A layout as stored: a ``Layout``, or its JSON form (a document stored before the
+    layout carried ``workers_per_node`` and the batch split loads, those derived or
+    left to the driver); an unknown key is refused, as every other field's is."""
+    if isinstance(value, Layout) or not isinstance(value, dict):
+        return value
+    unknown = set(value) - {f.name for f in dataclasses.fields(Layout)}
+    if unknown:
+        raise ValueError(f"layout: unknown field(s) {sorted(unknown)}")
+    return Layout(**value)
+
+
 class ElasticLayout(_Doc):
-    """One node count of an elastic range: the layout it runs, how its ranks split the
-    global batch, and the predictions and partition made for it; or why it cannot run."""
+    """One node count of an elastic range: the layout it runs (with how its ranks split
+    the global batch), and the predictions and partition made for it; or why it cannot
+    run (its layout then carries no batch split where that is the reason)."""
 
     layout: Layout
-    micro_batches: int | None = None
-    rows_per_micro: int | None = None
     modes: Modes | None = None
     ranks: list[RankPrediction] = []
     partition: dict | None = None
     refused: str | None = None
+
+    _layout = field_validator("layout", mode="before")(stored_layout)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split_into_layout(cls, data):
+        """The batch split was stored beside the layout (and is still shown there, for
+        the API's readers): it is the layout's now."""
+        if isinstance(data, dict) and ("micro_batches" in data or "rows_per_micro" in data):
+            data = dict(data)
+            split = {k: data.pop(k) for k in ("micro_batches", "rows_per_micro") if k in data}
+            layout = data.get("layout")
+            if isinstance(layout, dict) and split.get("micro_batches") is not None:
+                data["layout"] = {**layout, **split}
+        return data
+
+    @computed_field
+    @property
+    def micro_batches(self) -> int | None:
+        return self.layout.micro_batches
+
+    @computed_field
+    @property
+    def rows_per_micro(self) -> int | None:
+        return self.layout.rows_per_micro
 
 
 class PlanDocument(_Doc):
@@ -145,6 +164,8 @@ class PlanDocument(_Doc):
     # an elastic job: every node count of its range, smallest first; the fields above
     # are the largest runnable one's, the layout Ray Train asks for first
     elastic: list[ElasticLayout] | None = None
+
+    _layout = field_validator("layout", mode="before")(stored_layout)
 
     @property
     def complete(self) -> bool:
