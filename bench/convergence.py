@@ -48,6 +48,7 @@ def _dmuon_run(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     torch.set_num_threads(2)
@@ -59,7 +60,7 @@ def _dmuon_run(rank, world, spec_data):
             curve.append((record["step"], clock[0], record["val_loss"]))
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    run_training(Job.local(spec_data), mesh, report)
+    run_training(Job.local(spec_data, plan_on_one_host(spec_data)), mesh, report)
     return curve
 
 

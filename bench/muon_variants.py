@@ -70,6 +70,7 @@ def _run(rank, world, spec_data):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     torch.set_num_threads(1)  # the machine's other core is someone else's
@@ -81,7 +82,7 @@ def _run(rank, world, spec_data):
                       record.get("val_loss")))
 
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
-    run_training(Job.local(spec_data), mesh, report)
+    run_training(Job.local(spec_data, plan_on_one_host(spec_data)), mesh, report)
     return steps
 
 

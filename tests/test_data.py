@@ -101,11 +101,13 @@ def _rss_after_training(rank, world, spec_data, inputs):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     before = _rss_bytes()
-    run_training(Job.local(spec_data, inputs=inputs), mesh, lambda r, p: None)
+    job = Job.local(spec_data, plan_on_one_host(spec_data), inputs=inputs)
+    run_training(job, mesh, lambda r, p: None)
     return _rss_bytes() - before
 
 

@@ -33,6 +33,7 @@ def _job(rank, world, layout):
 
     import dmuon
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import build_training, run_training
 
     names = ("replicate", "shard", "tp")[:len(layout)]
@@ -40,7 +41,8 @@ def _job(rank, world, layout):
     spec = _spec(layout)
     initial = dmuon.full_state_dict(build_training(spec, mesh)[0])
     records = []
-    model = run_training(Job.local(spec), mesh, lambda record, path: records.append(record))
+    model = run_training(Job.local(spec, plan_on_one_host(spec)), mesh,
+                         lambda record, path: records.append(record))
     trained = dmuon.full_state_dict(model)
     return (initial, trained, records) if rank == 0 else (None, None, records)
 

@@ -24,12 +24,14 @@ def _train_export_reload(rank, world, spec_data, root):
     import dmuon
     from service.job.inputs import resolve_inputs
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.job.spec import parse_spec
     from service.worker.loop import build_training, run_training
 
     spec = parse_spec(spec_data)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    job = Job.local(spec, inputs=resolve_inputs(spec, root), export_dir=f"{root}/export")
+    job = Job.local(spec, plan_on_one_host(spec), inputs=resolve_inputs(spec, root),
+                    export_dir=f"{root}/export")
     model = run_training(job, mesh, lambda record, path: None)
     trained = dmuon.full_state_dict(model)
     again = parse_spec({**spec_data, "model": {**spec_data["model"], "weights": "export"}})

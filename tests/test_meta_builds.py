@@ -51,22 +51,28 @@ def test_an_elastic_range_builds_once_for_every_node_count(monkeypatch):
     assert len(built) == 1, built
 
 
-def _start(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
+LOCAL = {"model": "tiny", "steps": 1, "seq_len": 16, "batch_size": 1,
+         "export": {"enabled": False}}
 
+
+def _start(rank, world, plan_json: str):
     from service.job.job import Job
+    from service.job.plan_document import PlanDocument
     from service.worker.loop import run_training
+    from service.worker.mesh import build_mesh
 
     built, real = [], build.build_on_meta
     build.build_on_meta = lambda *a, **k: built.append(1) or real(*a, **k)
-    mesh = init_device_mesh("cpu", (1, 2, 1), mesh_dim_names=("replicate", "shard", "tp"))
-    run_training(Job.local({"model": "tiny", "steps": 1, "seq_len": 16, "batch_size": 1,
-                            "export": {"enabled": False}}), mesh, lambda record, path: None)
+    plan = PlanDocument.model_validate_json(plan_json)  # planned before: not counted
+    run_training(Job.local(LOCAL, plan), build_mesh(plan.layout), lambda record, path: None)
     return len(built)
 
 
 def test_a_worker_builds_once_per_start():
-    assert run(_start, world_size=2) == [1, 1]
+    from service.job.plan.make import plan_on_one_host
+
+    plan = plan_on_one_host(LOCAL, 2)
+    assert run(_start, plan.model_dump_json(), world_size=2) == [1, 1]
 
 
 def test_run_training_takes_at_most_four_parameters():

@@ -46,10 +46,12 @@ def _loopback(rank, world, spec_data):
 
     import dmuon
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model = run_training(Job.local(spec_data), mesh, lambda record, path: None)
+    model = run_training(Job.local(spec_data, plan_on_one_host(spec_data)), mesh,
+                         lambda record, path: None)
     return dmuon.full_state_dict(model)
 
 

@@ -19,11 +19,13 @@ def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
     records = []
-    run_training(Job.local(SPEC), mesh, lambda record, path: records.append(record))
+    run_training(Job.local(SPEC, plan_on_one_host(SPEC)), mesh,
+                 lambda record, path: records.append(record))
     return records
 
 

@@ -23,6 +23,7 @@ def _job(rank, world, bad_steps, directory):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker import loop
 
     calls = {"n": 0}
@@ -37,7 +38,7 @@ def _job(rank, world, bad_steps, directory):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     records = []
     try:
-        loop.run_training(Job.local(SPEC, checkpoint_dir=directory), mesh,
+        loop.run_training(Job.local(SPEC, plan_on_one_host(SPEC), checkpoint_dir=directory), mesh,
                           lambda r, p: records.append(r))
         failure = None
     except RuntimeError as e:

@@ -41,6 +41,7 @@ def _job(storage, spec_data, job_id):
 
     import dmuon
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker.loop import run_training
 
     spec = parse_spec(spec_data)
@@ -48,7 +49,8 @@ def _job(storage, spec_data, job_id):
     mesh = init_device_mesh("cpu", (spec.layout.replicate, spec.layout.shard),
                             mesh_dim_names=("replicate", "shard"))
     records = []
-    job = Job.local(spec, inputs=inputs, checkpoint_dir=os.path.join(storage, job_id, "dcp"))
+    job = Job.local(spec, plan_on_one_host(spec), inputs=inputs,
+                    checkpoint_dir=os.path.join(storage, job_id, "dcp"))
     model = run_training(job, mesh, lambda r, p: records.append(r))
     params = dmuon.full_state_dict(model)
     return ([(r["step"], r["resumed_from"], r["loss"]) for r in records],

@@ -14,7 +14,7 @@ from _hf_reference import LLAMA, RECIPE, reference_run
 from dmuon.testing import run
 
 LAYOUT = (1, 2, 2)
-SPEC = {**RECIPE, "layout": {"replicate": 1, "shard": 2},
+SPEC = {**RECIPE, "layout": {"replicate": 1, "shard": 2, "tp": 2},
         "model": {"hf_arch": LLAMA["architectures"][0], "config": LLAMA}}
 
 
@@ -33,6 +33,7 @@ def _train(rank, world, root):
     import dmuon
     from service.job.inputs import resolve_inputs
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.job.spec import parse_spec
     from service.worker.loop import run_training
 
@@ -42,7 +43,8 @@ def _train(rank, world, root):
     # DTensor's redistribute warns through logging (not warnings) when it plans a
     # multi-dim gather it cannot merge: the full state of a TP x FSDP param once did
     logging.getLogger("torch.distributed.tensor").addHandler(kept)
-    job = Job.local(spec, inputs=resolve_inputs(spec, root), export_dir=f"{root}/export")
+    job = Job.local(spec, plan_on_one_host(spec), inputs=resolve_inputs(spec, root),
+                    export_dir=f"{root}/export")
     model = run_training(job, mesh, lambda record, path: records.append(record))
     return dmuon.full_state_dict(model), records, kept.lines
 

@@ -34,11 +34,12 @@ def _job(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from service.job.job import Job
+    from service.job.plan.make import plan_on_one_host
     from service.worker import loop
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     records = []
-    loop.run_training(Job.local(SPEC), mesh, lambda r, p: records.append(r))
+    loop.run_training(Job.local(SPEC, plan_on_one_host(SPEC)), mesh, lambda r, p: records.append(r))
     return records
 
 

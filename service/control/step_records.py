@@ -72,6 +72,8 @@ class StepRecord(BaseModel):
     coord: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
     # R x N (x T) of this run
     layout: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
+    # the whole service.job.layout.Layout this rank ran (degrees, hosts, batch split)
+    ran_layout: dict[text(32), Count | None] | None = Field(None, max_length=16)
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)

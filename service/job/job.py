@@ -1,9 +1,11 @@
 """One job as its workers run it: the spec, the stored plan, the resolved inputs and
 where its files go. The driver makes it once from the plan document it stored and hands
 it to every worker unchanged (Ray Train pickles it into each worker's config), so no
-worker parses the spec or the plan again; ``Job.local`` makes one for tests and
-benchmarks. The tracking sinks are the spec's (``spec.tracking``): the driver's
-controller callback writes them, not the workers."""
+worker parses the spec or the plan again, nor plans: the stored plan (its ``Layout``, its
+partition, its modes) is the workers' only input beside the spec. ``Job.local`` makes
+one for tests and benchmarks on a plan the planner made. The tracking sinks are the
+spec's (``spec.tracking``): the driver's controller callback writes them, not the
+workers."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from .spec import JobSpec, parse_spec
 @dataclasses.dataclass(frozen=True)
 class Job:
     spec: JobSpec
-    plan: PlanDocument | None = None  # the stored plan; None: planned by nothing (tests)
+    plan: PlanDocument  # the stored plan, as the driver checked it
     inputs: dict | None = None  # ``resolve_inputs``'s; None: the built-in model and corpus
     job_dir: str | None = None  # each rank's records and the layout events go here
     checkpoint_dir: str | None = None
@@ -34,6 +36,8 @@ class Job:
                    export_only)
 
     @classmethod
-    def local(cls, spec: JobSpec | dict, **fields) -> Job:
-        """A job outside the service (a spec, or its JSON form), for tests and benchmarks."""
-        return cls(spec if isinstance(spec, JobSpec) else parse_spec(spec), **fields)
+    def local(cls, spec: JobSpec | dict, plan: PlanDocument, **fields) -> Job:
+        """A job outside the service (a spec, or its JSON form) on ``plan``, for tests and
+        benchmarks (``service.job.plan.make.plan_on_one_host`` plans one as a submission
+        would)."""
+        return cls(spec if isinstance(spec, JobSpec) else parse_spec(spec), plan, **fields)

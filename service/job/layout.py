@@ -139,3 +139,10 @@ class Layout:
     def replace(self, **changes) -> Layout:
         """A copy with ``changes``, checked as a new one is."""
         return dataclasses.replace(self, **changes)
+
+
+def fsdp2_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
+    """Rows ``[lo, hi)`` of dim 0 that FSDP2 gives shard ``shard`` of ``shards``: chunks of
+    ceil(rows / shards), as ``torch.chunk`` cuts them, the last ones short or empty."""
+    per = -(-rows // shards)
+    return min(rows, shard * per), min(rows, (shard + 1) * per)

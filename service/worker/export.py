@@ -23,9 +23,9 @@ from torch import nn
 
 import dmuon
 from dmuon.planning import canonical_fqn
-from service.job.plan.layout_choice import fsdp2_rows
+from service.job.layout import fsdp2_rows
 
-from .mesh import tp_size
+from .mesh import JobMesh
 
 INDEX = "model.safetensors.index.json"
 
@@ -87,9 +87,9 @@ def _gathered_entries(model: nn.Module, rank: int) -> list[Entry]:
             for name, _ in model.named_parameters()]
 
 
-def _entries(model: nn.Module, mesh) -> list[Entry]:
-    rank = dist.get_rank()
-    if tp_size(mesh) > 1:
+def _entries(model: nn.Module, job_mesh: JobMesh) -> list[Entry]:
+    rank, mesh = dist.get_rank(), job_mesh.device_mesh
+    if job_mesh.layout.tp_enabled:
         return _gathered_entries(model, rank)
     dedicated = _dedicated_entries(model, mesh, rank)
     entries = []
@@ -146,7 +146,8 @@ def _umask() -> int:
     return 0o022
 
 
-def export(model: nn.Module, mesh, out_dir: str, *, dtype: torch.dtype, write_config) -> str:
+def export(model: nn.Module, mesh: JobMesh, out_dir: str, *, dtype: torch.dtype,
+           write_config) -> str:
     """Write the model to ``out_dir`` (replacing it); collective. ``write_config(dir)``
     runs on rank 0 and writes ``config.json``."""
     from safetensors.torch import save_file

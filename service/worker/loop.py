@@ -23,8 +23,6 @@ from service.job.models.dtypes import DTYPES, muon_kwargs
 from service.job.models.experts import is_expert, use_expert_parallel
 from service.job.models.source import BUILTIN
 from service.job.models.tp_plans import apply_tp
-from service.job.plan.ep_costs import moe_shape, resolve_ep
-from service.job.plan.layout_choice import batch_split
 from service.job.plan_document import PlanDocument, partition_digest
 from service.job.spec import JobSpec
 
@@ -33,7 +31,7 @@ from .batches import Batches
 from .capacity import CapacityWatch, ray_capacity
 from .data_parallel import DataParallel
 from .export import export
-from .mesh import build_mesh, device, tp_size
+from .mesh import JobMesh, build_mesh, device, node_ids_from_ray
 from .rank_records import keep_record
 from .step_metrics import flops_per_token, peak_flops, step_record
 from .weights import load_weights
@@ -53,32 +51,43 @@ def run_modes(spec: JobSpec, plan: PlanDocument | None, modes: dict | None) -> d
     return modes
 
 
-def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
+def _degrees(spec: JobSpec, plan: PlanDocument | None) -> tuple[int, int]:
+    """(T, P): the plan's layout's; without a plan (tests, benchmarks) the spec's, which
+    must then be numbers (``auto`` is the planner's to decide)."""
+    if plan is not None:
+        return plan.layout.tp, plan.layout.ep
+    lay = spec.layout
+    if "auto" in (lay.tp, lay.ep):
+        raise ValueError("layout.tp or layout.ep: auto is decided by the planner; run "
+                         "the plan")
+    return lay.tp, lay.ep
+
+
+def build_training(spec: JobSpec, mesh: DeviceMesh | JobMesh, inputs: dict | None = None,
                    modes: dict | None = None, plan: PlanDocument | None = None):
     """(model, optimizer, param split): built on the meta device, DMuon (on the plan's
     partition, when there is a plan) then FSDP2 per block and on the root; each rank
     materialises only what it keeps."""
     inputs = inputs or BUILTIN_INPUTS
     modes = run_modes(spec, plan, modes)
+    tp, ep = _degrees(spec, plan)
     prepared = prepare_on_meta(spec, inputs["model"], DTYPES[spec.precision.master_dtype])
     model, split = prepared.model, prepared.split
-    tp = tp_size(mesh)
     if tp > 1:
         if inputs["model"].weights:
             raise ValueError("model.weights with layout.tp > 1: loading weights into "
                              "tensor-parallel shards is not supported yet")
         apply_tp(model, mesh["tp"])  # TP first, as torchtitan orders it
     compile_blocks(spec, model, prepared.blocks)
-    ep_group = _split_experts(spec, inputs["model"], model, split, mesh, plan)
+    ep_group = _split_experts(inputs["model"], model, split, mesh, ep)
     hsdp = mesh["replicate"].size() > 1
-    dp_mesh = mesh["replicate", "shard"] if tp > 1 else mesh
     policy = training_recipe.mp_policy(spec)
     dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
                           hook_boundary_predicate=split.boundary_predicate(model),
                           plan=plan.partition if plan is not None else None)
-    fsdp = {"mesh": dp_mesh if hsdp else mesh["shard"],
+    fsdp = {"mesh": mesh["replicate", "shard"] if hsdp else mesh["shard"],
             "reshard_after_forward": modes["fsdp"] == "z3",
             **({"mp_policy": policy} if policy is not None else {})}
     for fqn in split.fsdp_units:
@@ -94,12 +103,9 @@ def build_training(spec: JobSpec, mesh: DeviceMesh, inputs: dict | None = None,
     return model, opt, split
 
 
-def _split_experts(spec: JobSpec, source, model, split, mesh: DeviceMesh,
-                   plan: PlanDocument | None):
+def _split_experts(source, model, split, mesh, ep: int):
     """This rank's EP group after cutting each MoE layer to its E/P experts (the plan's
-    EP degree; without a plan the spec's, resolved as the planner does), or None at EP 1."""
-    ep = plan.partition.get("ep_size", 1) if plan is not None else \
-        resolve_ep(spec, mesh["shard"].size(), moe_shape(model, split.predicate))
+    EP degree), or None at EP 1."""
     if ep == 1:
         return None
     if source.weights:
@@ -176,22 +182,21 @@ class NonfiniteSteps:
                 f"{self.last_good or 'none (no checkpoint committed yet)'}")
 
 
-def _coordinates(mesh: DeviceMesh) -> tuple[list[int], list[int]]:
-    """(this rank's coordinate, the layout)."""
-    dims = mesh.mesh_dim_names
-    return [mesh[d].get_local_rank() for d in dims], [mesh[d].size() for d in dims]
+def _coordinates(mesh: JobMesh) -> list[int]:
+    """This rank's coordinate on the mesh's dims."""
+    return [mesh.get_mesh(d).get_local_rank() for d in mesh.layout.mesh_dim_names]
 
 
-def _throughput(model, spec: JobSpec, split, mesh: DeviceMesh, batch: tuple[int, int],
-                dp: DataParallel):
+def _throughput(model, spec: JobSpec, split, layout, dp: DataParallel):
     """(tokens per rank, tokens per step, FLOPs per token on this rank, peak FLOP/s). The
     T ranks of a tensor-parallel group share their tokens' FLOPs: each does 1/T."""
     blocks = len(split.fsdp_units)
     hidden = next((m.embedding_dim for m in model.modules()
                    if isinstance(m, torch.nn.Embedding)), 0)
-    per_rank = batch[0] * batch[1] * spec.seq_len
+    micros, rows = layout.batch
+    per_rank = micros * rows * spec.seq_len
     return (per_rank, dp.tokens(per_rank),
-            flops_per_token(model, blocks, hidden, spec.seq_len) / tp_size(mesh),
+            flops_per_token(model, blocks, hidden, spec.seq_len) / layout.tp,
             peak_flops(spec.metrics.peak_tflops, device()))
 
 
@@ -208,26 +213,29 @@ class WorkerContext:
     capacity: CapacityWatch | None = None
 
 
-def run_training(job: Job, mesh: DeviceMesh, report, context: WorkerContext | None = None):
+def run_training(job: Job, mesh: JobMesh | DeviceMesh, report,
+                 context: WorkerContext | None = None):
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory. With
     ``job.job_dir``, each rank keeps its records there and rank 0 logs this start's
     layout event there and reports it. With ``context.capacity``, a step after which a
-    larger planned layout could start is checkpointed, for the coming resize."""
-    spec, inputs = job.spec, job.inputs or BUILTIN_INPUTS
+    larger planned layout could start is checkpointed, for the coming resize. A bare
+    ``DeviceMesh`` (tests) must have the plan's layout's dims and sizes."""
+    spec, inputs, lay = job.spec, job.inputs or BUILTIN_INPUTS, job.plan.layout
+    mesh = mesh if isinstance(mesh, JobMesh) else JobMesh.around(lay, mesh)
     context = context or WorkerContext()
     progress, checkpoint_dir = context.progress, job.checkpoint_dir
     progress.update(phase="setup", step=None)
     model, opt, split = build_training(spec, mesh, inputs, None, job.plan)
-    digest = partition_digest(dmuon.get_plan(model).to_dict())  # the partition run
-    rank = dist.get_rank()
-    coord, layout = _coordinates(mesh)
-    dp = DataParallel.of(mesh)
-    batch = batch_split(spec, dp.size)
+    run = dmuon.get_plan(model)  # the partition run: its digest and EP group reported
+    digest, ran = partition_digest(run.to_dict()), mesh.ran(run.ep_size, lay.batch)
+    rank, coord, layout, batch = dist.get_rank(), _coordinates(mesh), list(lay.mesh_shape), \
+        lay.batch
+    dp = DataParallel.of(mesh.device_mesh)
     data = inputs["data"]
     train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
     val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
-    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, mesh, batch, dp)
+    tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, lay, dp)
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
     nonfinite = NonfiniteSteps(spec.max_nonfinite_steps, start)
@@ -245,7 +253,8 @@ def run_training(job: Job, mesh: DeviceMesh, report, context: WorkerContext | No
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
-        record.update(coord=coord, layout=layout, resumed_from=start,
+        record.update(coord=coord, layout=layout, ran_layout=dataclasses.asdict(ran),
+                      resumed_from=start,
                       partition_digest=digest, layout_event=event,
                       node_id=context.node_ids[rank] if context.node_ids else None,
                       node_ip=context.node_ip)
@@ -266,14 +275,14 @@ def run_training(job: Job, mesh: DeviceMesh, report, context: WorkerContext | No
     return _export_at_end(model, spec, inputs["model"], mesh, job.export_dir, progress)
 
 
-def _export_at_end(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir, progress: dict):
+def _export_at_end(model, spec: JobSpec, source, mesh: JobMesh, out_dir, progress: dict):
     progress.update(phase="export", step=None)
     if out_dir and spec.export.enabled:
         export_model(model, spec, source, mesh, out_dir)
     return model
 
 
-def _export_only(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str,
+def _export_only(model, spec: JobSpec, source, mesh: JobMesh, out_dir: str,
                  resumed: tuple[int, str | None], progress: dict):
     progress.update(phase="export")
     if resumed[0] == 0:
@@ -282,7 +291,7 @@ def _export_only(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str,
     return model
 
 
-def export_model(model, spec: JobSpec, source, mesh: DeviceMesh, out_dir: str) -> str:
+def export_model(model, spec: JobSpec, source, mesh: JobMesh, out_dir: str) -> str:
     from .export_config import config_writer
 
     dtype = DTYPES[spec.export.dtype or spec.precision.master_dtype]
@@ -326,7 +335,7 @@ def _worker(config: dict, progress: dict) -> None:
     world = ray.train.get_context().get_world_size()
     plan = job.plan.for_world(world)
     torch.set_num_threads(int(config.get("threads", 1)))
-    mesh, node_ids = build_mesh(plan.layout.replicate, plan.layout.shard, plan.layout.tp)
+    mesh = build_mesh(plan.layout, node_ids_from_ray())
     rank = dist.get_rank()
     capacity = None if plan.elastic is None else CapacityWatch(
         ray_capacity(plan.scaling, plan.scaling.num_workers),
@@ -335,7 +344,7 @@ def _worker(config: dict, progress: dict) -> None:
     def report(record, path):  # checkpoints stay in checkpoint_dir alone: not Ray's to copy
         ray.train.report(record)
 
-    context = WorkerContext(progress, node_ids, ray.util.get_node_ip_address(), capacity)
+    context = WorkerContext(progress, mesh.node_ids, ray.util.get_node_ip_address(), capacity)
     model = run_training(dataclasses.replace(job, plan=plan), mesh, report, context)
     if config.get("return_params"):
         params = dmuon.full_state_dict(model)

@@ -1,4 +1,5 @@
-"""The worker's device and the (replicate, shard[, tp]) mesh over Ray Train's process
+"""The worker's device and its mesh, built from the stored plan's ``Layout``: the
+(replicate, shard[, tp]) dims ``Layout.mesh_dim_names`` names, over Ray Train's process
 group.
 
 Ray Train has set up the process group (gloo on CPUs, NCCL on GPUs); this never calls
@@ -9,11 +10,15 @@ apart), and the (replicate, shard) mesh puts each shard group on one node.
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import os
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+
+from service.job.layout import Layout
 
 
 def mesh_rows(node_ids: list[str], replicate: int, shard: int) -> list[list[int]]:
@@ -59,21 +64,72 @@ def tp_groups(rows: list[list[int]], tp: int, node_ids: list[str]) -> torch.Tens
     return grid
 
 
-def build_mesh(replicate: int, shard: int, tp: int = 1) -> tuple[DeviceMesh, list[str]]:
-    """The (replicate, shard) mesh, or (replicate, shard, tp) with ``tp > 1``."""
+@dataclasses.dataclass(frozen=True)
+class JobMesh:
+    """The mesh a worker runs on and the ``Layout`` it was built from (torchtitan's
+    ``ParallelDims.build_mesh``): ``get_mesh(names)`` is a dim or a group of dims;
+    sizes are the layout's, never read back from the mesh."""
+
+    layout: Layout
+    device_mesh: DeviceMesh
+    node_ids: list = dataclasses.field(compare=False)
+
+    @classmethod
+    def around(cls, layout: Layout, device_mesh: DeviceMesh) -> JobMesh:
+        """A mesh built elsewhere (tests, benchmarks), refused unless it has the
+        layout's dims and sizes; its ranks in order, ``workers_per_node`` to a node."""
+        have = (tuple(device_mesh.mesh_dim_names or ()), tuple(device_mesh.shape))
+        if have != (layout.mesh_dim_names, layout.mesh_shape):
+            raise ValueError(f"a mesh of dims {have[0]} and sizes {have[1]} for the layout "
+                             f"{layout.shown()} (dims {layout.mesh_dim_names})")
+        return cls(layout, device_mesh, _in_order(layout, device_mesh.size()))
+
+    def get_mesh(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if names == self.layout.mesh_dim_names:
+            return self.device_mesh
+        return self.device_mesh[names]
+
+    def __getitem__(self, names):
+        return self.get_mesh(names)
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The data-parallel dims FSDP2 shards over: (replicate, shard) under HSDP."""
+        return self.get_mesh(("replicate", "shard") if self.layout.dp_replicate_enabled
+                             else "shard")
+
+    def ran(self, ep: int, batch: tuple[int, int]) -> Layout:
+        """The layout this worker ran, as the mesh and the hosts it spans hold it, with
+        the EP group it cut the experts over and the batch split it ran: what it
+        reports, equal to the plan's."""
+        sizes = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
+        hosts = collections.Counter(self.node_ids)
+        return Layout(sizes["replicate"], sizes["shard"], len(hosts), tp=sizes.get("tp", 1),
+                      ep=ep, workers_per_node=max(hosts.values()), micro_batches=batch[0],
+                      rows_per_micro=batch[1])
+
+
+def node_ids_from_ray() -> list[str]:
+    """Every world rank's Ray node id (a collective: each worker gives its own)."""
     import ray
 
     bind_device(device())
     node_ids: list = [None] * dist.get_world_size()
     dist.all_gather_object(node_ids, ray.get_runtime_context().get_node_id())
-    rows = mesh_rows(node_ids, replicate, shard * tp)
-    if tp == 1:
-        return DeviceMesh(device().type, torch.tensor(rows),
-                          mesh_dim_names=("replicate", "shard")), node_ids
-    return DeviceMesh(device().type, tp_groups(rows, tp, node_ids),
-                      mesh_dim_names=("replicate", "shard", "tp")), node_ids
+    return node_ids
 
 
-def tp_size(mesh: DeviceMesh) -> int:
-    """T of a (replicate, shard, tp) mesh; 1 for a (replicate, shard) one."""
-    return mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+def _in_order(layout: Layout, world: int) -> list[str]:
+    return [f"node-{r // layout.workers_per_node}" for r in range(world)]
+
+
+def build_mesh(layout: Layout, node_ids: list[str] | None = None) -> JobMesh:
+    """The mesh of ``layout`` over the world's ranks, each rank on the node
+    ``node_ids`` names (None: ranks in order, ``layout.workers_per_node`` to a node, as
+    a one-host test runs them)."""
+    if node_ids is None:
+        node_ids = _in_order(layout, dist.get_world_size())
+    rows = mesh_rows(node_ids, layout.replicate, layout.shard * layout.tp)
+    grid = tp_groups(rows, layout.tp, node_ids) if layout.tp_enabled else torch.tensor(rows)
+    return JobMesh(layout, DeviceMesh(device().type, grid,
+                                      mesh_dim_names=layout.mesh_dim_names), node_ids)

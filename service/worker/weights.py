@@ -15,7 +15,7 @@ from torch import nn
 
 import dmuon
 from dmuon.planning import canonical_fqn, is_dedicated
-from service.job.plan.layout_choice import fsdp2_rows
+from service.job.layout import fsdp2_rows
 
 from .export import INDEX
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 
-from ..layout import Layout, PlacementError
+from ..layout import Layout, PlacementError, fsdp2_rows
 from ..spec import JobSpec
 from .inventory import NodeInfo
 
@@ -162,10 +162,3 @@ def batch_split(spec: JobSpec, dp_size: int) -> tuple[int, int]:
     share = rows // dp_size
     per_rank = max(d for d in range(1, min(share, spec.batch_size) + 1) if share % d == 0)
     return share // per_rank, per_rank
-
-
-def fsdp2_rows(rows: int, shards: int, shard: int) -> tuple[int, int]:
-    """Rows ``[lo, hi)`` of dim 0 that FSDP2 gives shard ``shard`` of ``shards``: chunks of
-    ceil(rows / shards), as ``torch.chunk`` cuts them, the last ones short or empty."""
-    per = -(-rows // shards)
-    return min(rows, shard * per), min(rows, (shard + 1) * per)

@@ -138,3 +138,20 @@ def with_batch_splits(spec: JobSpec, plan: PlanDocument) -> PlanDocument:
         e if e.layout.micro_batches is not None else e.model_copy(
             update={"layout": split(e.layout)}) for e in plan.elastic]
     return plan.model_copy(update={"layout": split(plan.layout), "elastic": elastic})
+
+
+def plan_on_one_host(spec: JobSpec | dict, world_size: int | None = None,
+                     source=None) -> PlanDocument:
+    """The plan of ``spec`` for ``world_size`` workers (default: the process group's) on
+    one synthetic host, as a submission's would be made (``source``: the resolved
+    model, by default the spec's resolved here): for tests and benchmarks that run the
+    workers' loop without the service."""
+    import torch.distributed as dist
+
+    from ..inputs import resolve_model
+    from ..spec import parse_spec
+
+    spec = spec if isinstance(spec, JobSpec) else parse_spec(spec)
+    world = world_size or (dist.get_world_size() if dist.is_initialized() else 1)
+    host = synthetic_inventory(1, 0, cpus_per_node=int(world * spec.resources_per_worker.CPU))
+    return plan_document(spec, host, world, source or resolve_model(spec, ".")[0])
