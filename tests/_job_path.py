@@ -46,18 +46,38 @@ def _importing(frame) -> bool:
     return False
 
 
+# the calls counted by side: each resolution of a spec's inputs (resolve_model runs in
+# every one) and each build of the model on the meta device
+COUNTED = {("service/job/inputs/resolve.py", "resolve_model"),
+           ("service/job/inputs/resolve.py", "resolve_data"),
+           ("service/job/models/build.py", "build_on_meta")}
+
+
 class Trace:
     """The files of ``service/`` and ``dmuon/`` whose functions ran while it was on, in
-    every thread started meanwhile (the TestClient's event loop, its worker threads)."""
+    every thread started meanwhile (the TestClient's event loop, its worker threads),
+    and the ``COUNTED`` calls by ``side`` (set as the job moves on)."""
+
+    side = "control"
 
     def __init__(self):
         self.files: set[str] = set()
+        self.calls: dict[str, int] = {}
+        self._counted = {os.path.join(ROOT, f) for f, _ in COUNTED}
+
+    def _count(self, code) -> None:
+        rel = os.path.relpath(code.co_filename, ROOT)
+        if (rel, code.co_name) in COUNTED:
+            key = f"{Trace.side}:{code.co_name}"
+            self.calls[key] = self.calls.get(key, 0) + 1
 
     def __call__(self, frame, event, arg) -> None:
         if event != "call":
             return
         code = frame.f_code
         name = code.co_filename
+        if name in self._counted:
+            self._count(code)
         if name in self.files or not name.startswith(TRACED) \
                 or not code.co_flags & inspect.CO_OPTIMIZED:  # a module or class body
             return
@@ -171,6 +191,7 @@ def worker(job, storage: str) -> list[dict]:
 
     from service.worker.loop import WorkerContext, run_training
 
+    Trace.side = "worker"
     rendezvous = dist.FileStore(os.path.join(storage, "rendezvous"), 1)
     dist.init_process_group("gloo", store=rendezvous, rank=0, world_size=1)
     try:
@@ -194,6 +215,7 @@ def main(out: str) -> None:
     stand_in_for_ray(submitter)
     with Trace() as trace:
         job, entrypoint = submit(storage)
+        Trace.side = "driver"
         code = drive(entrypoint)
     assert code == 0, code
     records = RayTrain.fitted.records
@@ -201,7 +223,8 @@ def main(out: str) -> None:
     assert all(math.isfinite(r["loss"]) for r in records), records
     job_dir = os.path.join(storage, job["id"])
     with open(os.path.join(out, "trace.json"), "w") as fh:
-        json.dump({"files": trace.relative(), "job_dir": sorted(os.listdir(job_dir))}, fh)
+        json.dump({"files": trace.relative(), "job_dir": sorted(os.listdir(job_dir)),
+                   "calls": trace.calls}, fh)
 
 
 if __name__ == "__main__":

@@ -1,9 +1,11 @@
 """One job, one model built on the meta device per plan and per worker start (issue 44,
-increment 4): the planner partitions the one build for every layout it weighs
-(``tp: auto`` predicting each degree when none fits, an elastic range each node count),
-and a worker builds once when it starts. ``run_training`` takes the job, the mesh, the
-report and the worker's context, no more. Builds are counted by wrapping the one
-function that makes them (``service.job.models.build.build_on_meta``)."""
+increment 4): the planner partitions the one build for every layout it weighs (``tp:
+auto`` predicting each degree when none fits, an elastic range each node count), and a
+worker builds once when it starts. ``run_training`` takes the job, the mesh, the report
+and the worker's context, no more. Builds are counted by wrapping the one function that
+makes them (``service.job.models.build.build_on_meta``). And (issue 51) one
+submission's inputs are resolved once and its model built on meta once before the
+workers: counted, by side, on the traced submission of ``tests/_job_path.py``."""
 
 from __future__ import annotations
 
@@ -87,3 +89,14 @@ def _fresh_plans():
     from service.job.plan import make
 
     make._PLANS.clear()
+
+
+def test_one_submission_resolves_its_inputs_once_and_builds_once_before_workers(tmp_path):
+    """The traced submission (control plane, driver, one worker): the control plane
+    resolves the inputs and plans (one build); the driver runs on both, resolving and
+    building nothing; the worker builds its own model once."""
+    from test_job_path import traced
+
+    calls = traced(tmp_path)["calls"]
+    assert calls == {"control:resolve_model": 1, "control:resolve_data": 1,
+                     "control:build_on_meta": 1, "worker:build_on_meta": 1}, calls

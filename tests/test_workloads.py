@@ -245,10 +245,10 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
 
 def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc):
     """The user job's stored plan with its units renamed as a plan made without activation
-    checkpointing would name them: the entrypoint refuses it before Ray starts a worker
-    (exit 2), and the job's reason names the first param that differs. (Each worker's
-    ``dedicate_params`` refuses it too, before any collective: tests/core/
-    test_stored_plan.py.)"""
+    checkpointing would name them: the plan is checked once where it is made, so the
+    workers' ``dedicate_params(plan=...)`` refuses it, before any collective and any
+    step (tests/core/test_stored_plan.py), and the job's reason names the first param
+    that differs (issue 51: the driver no longer builds the model a third time)."""
     with open(os.path.join(svc.env["DMUON_STORAGE"], JOBS["user"], "plan.json")) as fh:
         plan = json.load(fh)
     params = plan["partition"]["params"]
@@ -265,10 +265,11 @@ def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc
     message = (f"the plan does not match the model: '{first.replace(WRAPPED, '')}' is in the "
                f"plan but is no Muon-target param of this model (the model has '{first}' "
                "there)")
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 1, proc.stderr[-2000:]
     with open(os.path.join(storage, "edited", "failure.json")) as fh:
         reason = json.load(fh)
     assert reason["type"] == "PlanMismatch" and message in reason["message"], reason
+    assert reason["source"] == "worker" and reason["phase"] == "setup", reason
     assert not os.path.exists(os.path.join(storage, "edited", "metrics.jsonl"))
 
 

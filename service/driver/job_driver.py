@@ -48,9 +48,9 @@ if not os.environ.get("RAY_ADDRESS"):
 # torch and Ray are imported once the spec and its inputs have been checked: a spec
 # that cannot run is refused in a second, not after the imports
 from service.job import failure  # noqa: E402
-from service.job.inputs import resolve_inputs  # noqa: E402
+from service.job.inputs import resolve_inputs, stored_inputs  # noqa: E402
 from service.job.job import Job  # noqa: E402
-from service.job.job_dir import EXPORT_FAILURE, FAILURE, PLAN  # noqa: E402
+from service.job.job_dir import EXPORT_FAILURE, FAILURE, INPUTS, PLAN  # noqa: E402
 from service.job.plan_document import PlanDocument  # noqa: E402
 from service.job.spec import SpecError, load_spec  # noqa: E402
 
@@ -281,7 +281,13 @@ def _inputs(args) -> tuple:
         with open(args.plan) as fh:
             plan = PlanDocument.model_validate_json(fh.read())
     storage = os.path.abspath(args.storage)
-    inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"), storage)
+    kept = os.path.join(os.path.dirname(args.plan), INPUTS) if args.plan else None
+    if kept and os.path.isfile(kept):  # resolved by the control plane: not again
+        with open(kept) as fh:
+            inputs = stored_inputs(fh.read())
+    else:
+        inputs = resolve_inputs(spec, args.data_root or os.path.join(storage, "data"),
+                                storage)
     token = None
     if args.token_file:
         with open(args.token_file) as fh:
@@ -301,20 +307,11 @@ def main(argv=None) -> int:
 
 
 def _run(args, spec, plan, inputs, token) -> int:
-    from dmuon import PlanMismatch
-    from service.job.models.params import ParamRuleError
-
-    from .model_check import check_against_model
-
     job_id = args.job_id or f"{spec.name}-{uuid.uuid4().hex[:8]}"
     failed = failure_path(args.storage, job_id, args.export_only)
-    try:  # before Ray: a plan for another model never starts a worker
-        if plan is not None and plan.complete:
-            check_against_model(spec, plan, inputs["model"])
-    except (PlanMismatch, ParamRuleError) as e:
-        failure_reason(e, failed)
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    # a complete plan was checked against the model where it was made (the planner
+    # partitioned that model), and each worker's dedicate_params(plan=...) checks it
+    # again before any collective: no third build of the model here
     local = connect_ray(local_cpus(spec, args.num_cpus))
     try:
         return _run_on_ray(args, spec, plan, inputs, token, job_id, failed)

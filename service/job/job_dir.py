@@ -9,6 +9,7 @@ import re
 
 SPEC = "spec.json"  # the spec as stored (the runner writes it for the entrypoint)
 PLAN = "plan.json"  # the plan the workers run
+INPUTS = "inputs.json"  # the inputs the control plane resolved, once, for the driver
 JOB_TOKEN = "job_token"  # the job's own token for posting its records
 METRICS = "metrics.jsonl"  # one record per (step, rank), from the controller
 RANK_RECORDS = "rank_records"  # each rank's records as it wrote them (rank_R.jsonl)

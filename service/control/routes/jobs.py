@@ -12,9 +12,9 @@ from fastapi import APIRouter, Header, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
-from service.job.inputs import resolve_inputs, resolve_model
+from service.job.inputs import inputs_json, resolve_inputs, resolve_model
 from service.job.inputs.working_dir import PackageError, runtime_working_dir
-from service.job.job_dir import EXPORT
+from service.job.job_dir import EXPORT, INPUTS
 from service.job.models.params import ParamRuleError
 from service.job.plan.layout_choice import PlacementError
 from service.job.plan.make import plan_document
@@ -97,16 +97,18 @@ def submit(body: JobSubmission, request: Request, response: Response,
     """A new job (201), or with a repeated ``Idempotency-Key`` the job that key made
     (200); 409 if that key came with another request."""
     state = request.app.state
+    inputs = None
     if body.dry_run:
         model_inputs = _model_inputs(request, body.spec)
-    else:  # every path and size, before anything is stored
+    else:  # every path and size, before anything is stored; the driver runs on them
         try:
-            model_inputs = resolve_inputs(body.spec, state.settings.data_dir(),
-                                          state.settings.storage)["model"]
+            inputs = resolve_inputs(body.spec, state.settings.data_dir(),
+                                    state.settings.storage)
             if body.spec.working_dir is not None:
                 runtime_working_dir(state.settings.storage, body.spec.working_dir)
         except (SpecError, PackageError) as e:
             raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
+        model_inputs = inputs["model"]
     planned = _plan(request, body.spec, model_inputs)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
@@ -117,8 +119,19 @@ def submit(body: JobSubmission, request: Request, response: Response,
         raise HTTPException(409, f"Idempotency-Key {idempotency_key!r} was used for "
                                  f"another request (job {job['id']})")
     response.status_code = 201 if created else 200
+    if created and inputs is not None:
+        _keep_inputs(state.settings.storage, job["id"], inputs)
     job.pop("plan")
     return job
+
+
+def _keep_inputs(storage: str, job_id: str, inputs: dict) -> None:
+    """The inputs resolved here, in the job's directory beside its spec and plan: the
+    driver runs on them, so a submission resolves its inputs once."""
+    job_dir = os.path.join(storage, job_id)
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, INPUTS), "w") as fh:
+        fh.write(inputs_json(inputs))
 
 
 @admin.post("/v1/jobs/register", status_code=201, max_body_size=SPEC_BYTES)

@@ -224,3 +224,15 @@ def resolve_inputs(spec: JobSpec, data_root: str, storage: str | None = None) ->
                         f"model's vocab_size is {model_vocab}")
     return {"model": model, "data": data,
             "resume_from": resolve_resume(spec, data_root, storage)}
+
+
+def inputs_json(inputs: dict) -> str:
+    """``resolve_inputs``'s answer as the control plane keeps it in the job's directory
+    (``job_dir.INPUTS``): the driver runs on it rather than resolving the spec again."""
+    return json.dumps({**inputs, "model": inputs["model"].model_dump(mode="json")})
+
+
+def stored_inputs(text: str) -> dict:
+    """The inputs ``inputs_json`` wrote, as ``resolve_inputs`` answered them."""
+    data = json.loads(text)
+    return {**data, "model": ModelSource.model_validate(data["model"])}
