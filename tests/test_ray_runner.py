@@ -474,7 +474,9 @@ def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeyp
     token_file = argv[argv.index("--token-file") + 1]
     assert open(token_file).read() == "job-token" and os.stat(token_file).st_mode & 0o777 == 0o600
     assert "the-admin-token" not in " ".join(argv)
-    assert "DMUON_API_TOKEN" not in runner_module.FORWARDED_ENV
+    from service.control.ray_entrypoint import FORWARDED_ENV
+
+    assert "DMUON_API_TOKEN" not in FORWARDED_ENV
 
 
 def test_a_cancelled_jobs_kept_steps_reach_its_metrics(runner):
@@ -518,13 +520,13 @@ def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
     every step from 1 to the last one both ranks ran, each rank's; the MLflow run is
     KILLED with an end time and the W&B run has its exit record, each read back with
     its own tool; the job's log holds no traceback."""
-    from service.control import submitter as runner_module
+    from service.control import ray_entrypoint
     from service.control.store import JobStore
     from service.job.plan.make import plan_document
     from service.worker.checkpoints import committed
 
-    monkeypatch.setattr(runner_module, "JOB_ENV", {
-        **runner_module.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})
+    monkeypatch.setattr(ray_entrypoint, "JOB_ENV", {
+        **ray_entrypoint.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})
     spec = {"name": "stopped", "model": "tiny", "steps": 40, "batch_size": 4,
             "seq_len": 32, "layout": {"replicate": 1, "shard": 2},
             "checkpoint": {"interval": 4}, "data": {"val_every": 0},

@@ -51,7 +51,7 @@ def _missing(error: Exception) -> bool:
     return isinstance(error, RuntimeError) and "status code 404" in str(error)
 
 
-def ingest(result: tuple[int, list[str]], what: str) -> int:
+def _reported(result: tuple[int, list[str]], what: str) -> int:
     """How many records were stored; each malformed one reported and skipped."""
     stored, problems = result
     for problem in problems:
@@ -213,14 +213,14 @@ class RayJobRunner:
     def ingest_spool(self, job_id: str, offset: int) -> int:
         """Records the job spooled that are not stored yet (posts can be lost while the
         service is down)."""
-        return ingest(read_spool(self.store, job_id, spool_path(self.storage, job_id), offset),
+        return _reported(read_spool(self.store, job_id, spool_path(self.storage, job_id), offset),
                       "a spool line")
 
     def ingest_rank_records(self, job_id: str) -> int:
         """The records of the job's steps the store lacks, from the ranks' own files: a
         cancel stops the job before its last reports reach the spool, not before the
         ranks kept them."""
-        return ingest(read_rank_records(self.store, job_id, os.path.join(self.storage, job_id)),
+        return _reported(read_rank_records(self.store, job_id, os.path.join(self.storage, job_id)),
                       "a rank's record")
 
     def stop_quietly(self, job_id: str) -> None:
