@@ -5,6 +5,7 @@ single-process reference (torch.optim.Muon + AdamW on the global batch's mean lo
 from __future__ import annotations
 
 import pytest
+import torch
 from _pipeline import CONFIG, pp_train
 from _train import reference_run
 
@@ -50,3 +51,23 @@ def test_the_reduce_goes_out_once_per_step_whatever_the_micro_batch_count():
     one, eight = run(_reduce_bytes, 1, world_size=4), run(_reduce_bytes, 8, world_size=4)
     assert one == eight
     assert all(v > 0 for r in one for v in r.values())
+
+
+@pytest.mark.parametrize("schedule,split", [("gpipe", "two"), ("interleaved", "four"),
+                                            ("1f1b", "embedding_alone")],
+                         ids=["gpipe", "interleaved_2_stages_per_rank", "stage_without_muon"])
+def test_schedule_matches_the_reference(schedule, split):
+    """GPipe; interleaved 1F1B with stages p and p + 2 on each rank (one PipelineMuon over
+    both); and a first stage holding only the embedding (no Muon matrix)."""
+    _assert_matches_reference(run(pp_train, schedule=schedule, split=split, world_size=4))
+
+
+def _z2_and_z3(rank, world):
+    return {z3: pp_train(rank, world, z3=z3, steps=4)["final"] for z3 in (False, True)}
+
+
+def test_z3_equals_z2_bit_for_bit():
+    for r in run(_z2_and_z3, world_size=4):
+        assert r[False].keys() == r[True].keys()
+        for fqn, value in r[False].items():
+            assert torch.equal(r[True][fqn], value), fqn
