@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from _pipeline import CONFIG, pp_train
 from _train import reference_run
 
@@ -71,3 +72,80 @@ def test_z3_equals_z2_bit_for_bit():
         assert r[False].keys() == r[True].keys()
         for fqn, value in r[False].items():
             assert torch.equal(r[True][fqn], value), fqn
+
+
+NAN_STEP = 1
+_HANDLES: list = []  # this process's hooks of the poisoned step
+
+
+def _clear_hooks() -> None:
+    for h in _HANDLES:
+        h.remove()
+    _HANDLES.clear()
+
+
+def _nan_in_matrix(stages, step):
+    """Rank 2 (stage 1, shard 0): NaN in its local gradient of one dedicated matrix."""
+    _clear_hooks()
+    if step == NAN_STEP and dist.get_rank() == 2:
+        p = stages[0].submod.get_parameter("model.layers.2.mlp.down_proj.weight")
+        _HANDLES.append(p.register_hook(lambda g: torch.full_like(g, float("nan"))))
+
+
+def _nan_in_embedding(stages, step):
+    """Rank 0 (stage 0, which holds the embedding alone): NaN in its FSDP2 gradient."""
+    def poison_output(module, args, out):
+        out.register_hook(lambda g: g * float("nan"))
+
+    _clear_hooks()
+    if step == NAN_STEP and dist.get_rank() == 0:
+        embedding = stages[0].submod.model.embed_tokens
+        _HANDLES.append(embedding.register_forward_hook(poison_output))
+
+
+@pytest.mark.parametrize("split,poison", [("two", _nan_in_matrix),
+                                          ("embedding_alone", _nan_in_embedding)],
+                         ids=["matrix_in_stage_1", "embedding_in_a_stage_without_muon"])
+def test_a_nan_in_one_stage_skips_the_step_on_every_rank_of_every_stage(split, poison):
+    results = run(pp_train, split=split, steps=3, poison=poison, world_size=4)
+    for rank, r in enumerate(results):
+        assert [bool(s) for s in r["skipped"]] == [False, True, False], (rank, r["skipped"])
+        before, skipped, after = r["after"]
+        for fqn, value in before.items():
+            assert torch.equal(skipped[fqn], value), (rank, fqn)
+            assert torch.isfinite(after[fqn]).all(), (rank, fqn)
+        assert any(not torch.equal(after[k], v) for k, v in before.items()), rank
+
+
+CLIP = 0.5
+
+
+def _reference_norms(steps: int) -> list[float]:
+    """Single process, the global batch: the total norm at each step, clipping applied."""
+    from _model import build_model, muon_predicate
+    from _train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
+
+    model = build_model(CONFIG, dtype=torch.float64, seed=0)
+    named = list(model.named_parameters())
+    opts = reference_optimizers([p for n, p in named if muon_predicate(n, p)],
+                                [p for n, p in named if not muon_predicate(n, p)])
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
+    norms = []
+    with reference_ns():
+        for batch in global_batches(steps):
+            loss_of(model, batch).backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+            for o, s in zip(opts, scheds):
+                o.step()
+                o.zero_grad()
+                s.step()
+    return norms
+
+
+@pytest.mark.parametrize("schedule,split", [("1f1b", "two"), ("interleaved", "four")])
+def test_clip_grad_norm_sums_over_the_stages(schedule, split):
+    """PipelineMuon.clip_grad_norm_: the single-process total norm within 1e-12 (every
+    stage's gradients, each divided by the micro-batch count, counted once)."""
+    expected = _reference_norms(3)
+    for r in run(pp_train, schedule=schedule, split=split, steps=3, clip=CLIP, world_size=4):
+        assert r["norms"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
