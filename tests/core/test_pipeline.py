@@ -149,3 +149,22 @@ def test_clip_grad_norm_sums_over_the_stages(schedule, split):
     expected = _reference_norms(3)
     for r in run(pp_train, schedule=schedule, split=split, steps=3, clip=CLIP, world_size=4):
         assert r["norms"] == pytest.approx(expected, rel=1e-12, abs=1e-12)
+
+
+@pytest.mark.parametrize("schedule,split,micro", [("1f1b", "two", 4), ("gpipe", "two", 8),
+                                                  ("interleaved", "four", 4)])
+def test_pp_bytes_are_the_activations_and_their_gradients(schedule, split, micro):
+    """Per step and stage, on the ledger's pp dim: each micro-batch's activations
+    (rows x SEQ x dim float64) sent forward by every stage but the last, and their
+    gradients, of the same size, sent backward by every stage but the first."""
+    from _pipeline import DP, SPLITS
+    from _train import GLOBAL_BATCH, SEQ
+
+    per_micro = (GLOBAL_BATCH // DP // micro) * SEQ * CONFIG.dim * 8
+    last = len(SPLITS[split]) - 1
+    for r in run(pp_train, schedule=schedule, split=split, steps=2, micro=micro,
+                 world_size=4):
+        for stage, ledger in r["ledgers"].items():
+            pp = ledger["pp"]
+            assert pp.get("forward", 0) == (micro * per_micro if stage < last else 0), stage
+            assert pp.get("backward", 0) == (micro * per_micro if stage > 0 else 0), stage
