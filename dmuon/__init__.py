@@ -51,6 +51,8 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``qk_clip``: MuonClip's QK-clip, ``Muon(..., qk_clip=tau)``; an attention module
   takes part by naming its q/k weights in ``qk_clip_weights`` and calling
   ``qk_clip.record_max_logits(self, q, k)`` in its forward.
+- ``dedicate_stage``, ``PipelineStage``, ``PipelineMuon``: pipeline parallelism under
+  ``torch.distributed.pipelining`` (``dmuon.pipeline``).
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
@@ -95,6 +97,7 @@ from .model_state import (
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .optim import Muon, adjusted_lr
 from .partition import Assignment, DedicationPlan, PlanMismatch, partition
+from .pipeline import PipelineMuon, PipelineStage, dedicate_stage
 from .stats import MEMORY_KINDS, communicator_report, memory_report
 from .tp_traffic import install_tp_traffic_counters
 
@@ -120,6 +123,8 @@ __all__ = [
     "communicator_report",
     "Muon",
     "POLAR_EXPRESS_COEFFICIENTS",
+    "PipelineMuon",
+    "PipelineStage",
     "PlanMismatch",
     "RowGroups",
     "YOU_COEFFICIENTS",
@@ -128,6 +133,7 @@ __all__ = [
     "clip_grad_norm_",
     "dedicate_params",
     "dedicate_params_ddp",
+    "dedicate_stage",
     "dispatch_combine",
     "full_state_dict",
     "fully_shard",

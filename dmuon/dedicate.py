@@ -253,6 +253,7 @@ def dedicate_params(
     compute_dtype: torch.dtype | None = None,
     prefetch: int = 1,
     plan: DedicationPlan | dict | None = None,
+    allow_empty: bool = False,
 ) -> DedicationPlan:
     """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
 
@@ -269,10 +270,12 @@ def dedicate_params(
     its ``to_dict()``) to apply instead of partitioning; refused (``PlanMismatch``,
     naming the first differing FQN) before any collective when it does not describe this
     model and mesh. The plan returned also maps each dedicated ``nn.Parameter`` to its
-    owner's global rank.
+    owner's global rank. ``allow_empty``: a predicate that selects nothing is no error
+    (a pipeline stage of only the embedding: every param goes to AdamW).
     """
     _check_can_dedicate(model, prefetch)
-    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
+    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict,
+                            allow_empty)
     mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
     plan = _plan_to_run(plan, entries, mesh.size(), replicate_mesh.size() if replicate_mesh
                         is not None else 1, model_ep(model, predicate))

@@ -165,6 +165,9 @@ class Muon(torch.optim.Optimizer):
                                 self.ledger, pending, updates)
             for key in schedule[id(b)]["batches"]:
                 updates += orthogonalise_batch(self.param_groups[key[0]], pending.pop(key, []))
+        if not self._state.boundaries:  # no matrix (a pipeline stage): no landing waited
+            self.nonfinite_ranks = self._state.nonfinite_ranks()
+            skip = self.skip_nonfinite and bool(self.nonfinite_ranks)
         return updates, skip
 
     def _check_updates(self, updates: list) -> bool:

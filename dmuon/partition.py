@@ -396,15 +396,17 @@ def whole_shape(p) -> tuple[int, ...]:
 
 
 def model_entries(model: nn.Module, predicate, hook_boundary_predicate=None,
-                  hook_boundary_strict: bool = True) -> list[tuple[str, tuple, str]]:
+                  hook_boundary_strict: bool = True,
+                  allow_empty: bool = False) -> list[tuple[str, tuple, str]]:
     """(fqn, shape, hook boundary) of each Muon-target param, in registration order (an
-    expert-parallel param with the whole layer's shape)."""
+    expert-parallel param with the whole layer's shape). None is an error (a predicate
+    that matches nothing) unless ``allow_empty``: a pipeline stage may hold no matrix."""
     entries = [
         (name, whole_shape(p), resolve_boundary(model, name, hook_boundary_predicate,
                                                   hook_boundary_strict))
         for name, p in select_params(model, predicate)
     ]
-    if not entries:
+    if not entries and not allow_empty:
         raise ValueError("predicate selected no parameters for DMuon")
     return entries
 
