@@ -25,6 +25,13 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   ``fully_shard(mp_policy=...)`` over a hook boundary is.
   ``dedicate_params_ddp(model, mesh, predicate)`` + ``replicate(model)``: the DDP
   composition (the R x 1 layout).
+  Pure DMuon: ``param_policy={"defaults": {...}, "overrides": [{"name": [...], "set":
+  {...}}]}`` (or ``param_policy_fn(name, param)``, or the legacy ``route_hint_fn``) routes
+  each selected param to ``"muon"``, ``"adamw"`` (owner broadcast/reduce, AdamW on the
+  owner) or ``"sharded_adamw"`` (FSDP2's shards); ``DMuonParamPolicy`` is one param's
+  resolved policy (``dmuon.get_state(model).policies``). Optimizer groups carry
+  ``dmuon_route``; a user group's ``dmuon_route`` (``dmuon_optimizer``,
+  ``matrix_optimizer``) forces "muon" or "adamw" on its dedicated params.
 - ``fully_shard(module, **fsdp_kwargs)``: FSDP2's, with the dedicated params in
   ``ignored_params`` (or pass ``ignored_params=dmuon.ignored_params(model)`` yourself).
 - ``partition(model, *, predicate, shard_size, replicate_size=1, ...)``: the same plan
@@ -95,6 +102,7 @@ from .model_state import (
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .optim import Muon, adjusted_lr
 from .partition import Assignment, DedicationPlan, PlanMismatch, partition
+from .routing import DMuonParamPolicy
 from .stats import MEMORY_KINDS, communicator_report, memory_report
 from .tp_traffic import install_tp_traffic_counters
 
@@ -114,6 +122,7 @@ def get_ledger(model) -> Ledger:
 # launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
     "Assignment",
+    "DMuonParamPolicy",
     "DedicationPlan",
     "Ledger",
     "MEMORY_KINDS",
