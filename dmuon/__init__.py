@@ -44,7 +44,11 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   ``use_muon`` say which); ``zero_grad`` drops every gradient
   DMuon holds for the step; a non-finite step is skipped on every rank.
 - ``newton_schulz(G, steps, backend="gram", coefficients, dtype, restart=True,
-  gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``.
+  gram_dtype=None)``, ``ns_flops(shape, steps, backend, restart)``. The reference's
+  ``NewtonSchulz(backend="gram", kernel="auto", coefficients=None,
+  restart_iterations=None, deterministic=False)`` for ``Muon(ns_backend=...)`` (its
+  coefficients count the iterations), ``gram_newton_schulz(G, ...)``,
+  ``get_ns_backend()`` and ``get_backend_status()`` (``dmuon.ns_backends``).
 - ``full_state_dict(model)``: every tensor in full on every rank (collective).
 - ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model or
   optimizer, max_norm)``; ``wait_all_reduces(model)``; ``wait_all_replicate_broadcasts(
@@ -100,6 +104,7 @@ from .model_state import (
     wait_all_replicate_broadcasts,
 )
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
+from .ns_backends import NewtonSchulz, get_backend_status, get_ns_backend, gram_newton_schulz
 from .optim import Muon, adjusted_lr
 from .partition import Assignment, DedicationPlan, PlanMismatch, partition
 from .routing import DMuonParamPolicy
@@ -128,6 +133,7 @@ __all__ = [
     "MEMORY_KINDS",
     "communicator_report",
     "Muon",
+    "NewtonSchulz",
     "POLAR_EXPRESS_COEFFICIENTS",
     "PlanMismatch",
     "RowGroups",
@@ -145,7 +151,10 @@ __all__ = [
     "get_model_state_dict",
     "get_optimizer_state_dict",
     "get_owned_params",
+    "get_backend_status",
+    "get_ns_backend",
     "get_plan",
+    "gram_newton_schulz",
     "grouped_linear",
     "grouped_mm_fits",
     "ignored_params",

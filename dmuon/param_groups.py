@@ -7,13 +7,14 @@ from __future__ import annotations
 from torch import nn
 
 from .model_state import DedicatedModel, get_state, is_dedicated
-from .newton_schulz import check_backend, coefficient_schedule
+from .newton_schulz import coefficient_schedule
+from .ns_backends import group_options
 from .routing import ROUTES, param_route
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_backend",
               "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn",
-              "variant", "beta2", "group_name")
+              "variant", "beta2", "group_name", "ns_restart")
 VARIANTS = ("muon", "normuon")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "group_name")
 # the reference's named groups: key -> (the Muon or AdamW option it sets, fallback keys)
@@ -189,5 +190,5 @@ def check_args(o: dict) -> None:
         raise ValueError(
             f"dmuon.Muon: adjust_lr_fn={o['adjust_lr_fn']!r} is not one of {list(ADJUST_LR_FNS)}"
         )
-    o["ns_backend"] = check_backend(o["ns_backend"])
+    o.update(group_options(o["ns_backend"]))  # a NewtonSchulz sets its schedule too
     coefficient_schedule(o["ns_coefficients"], o["ns_steps"])
