@@ -53,6 +53,12 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``no_sync(model)``: accumulate gradients without reducing; ``clip_grad_norm_(model or
   optimizer, max_norm)``; ``wait_all_reduces(model)``; ``wait_all_replicate_broadcasts(
   model)`` (also ``wait_all_post_step_broadcasts``): HSDP's post-step all-gathers landed.
+  ``clip_grad_norm_(..., strategy="global_norm")``: the reference's Muon-only clip,
+  returning ``MuonGradClipStats``; ``register_muon_grad_clip_strategy(name, fn)``.
+  ``clip_grad_norm_buckets_([GradClipBucket(name, grads), ...], max_norm)``: each
+  bucket clipped by its own norm (``SegmentedGradClipResult`` of
+  ``GradClipBucketStats``); ``try_clip_optimizer_grad_norm_buckets_(optimizer,
+  regular_grads=, adamw_grads=, max_norm=)`` (``dmuon.clip_buckets``).
   ``dmuon.utils`` holds these and ``get_dedicated_params``/``get_owned_params`` under the
   reference's module name.
 - ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
@@ -73,6 +79,13 @@ is refused by name.
 """
 
 from . import checkpoint, qk_clip, utils
+from .clip_buckets import (
+    GradClipBucket,
+    GradClipBucketStats,
+    SegmentedGradClipResult,
+    clip_grad_norm_buckets_,
+    try_clip_optimizer_grad_norm_buckets_,
+)
 from .comm import Ledger
 from .compose import (
     dedicate_params_ddp,
@@ -103,6 +116,7 @@ from .model_state import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
+from .muon_clip import MuonGradClipStats, register_muon_grad_clip_strategy
 from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_schulz, ns_flops
 from .ns_backends import NewtonSchulz, get_backend_status, get_ns_backend, gram_newton_schulz
 from .optim import Muon, adjusted_lr
@@ -126,6 +140,13 @@ def get_ledger(model) -> Ledger:
 # stored plan that does not fit is refused with PlanMismatch. ``dmuon.testing`` (the gloo
 # launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
+    "try_clip_optimizer_grad_norm_buckets_",
+    "register_muon_grad_clip_strategy",
+    "clip_grad_norm_buckets_",
+    "SegmentedGradClipResult",
+    "MuonGradClipStats",
+    "GradClipBucketStats",
+    "GradClipBucket",
     "Assignment",
     "DMuonParamPolicy",
     "DedicationPlan",

@@ -11,6 +11,7 @@ from torch import nn
 
 from . import comm
 from .model_state import get_state, is_dedicated
+from .muon_clip import clip_muon_grads
 
 
 @contextlib.contextmanager
@@ -79,14 +80,22 @@ def _gradients(state, model) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, eps: float = 1e-6) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, eps: float = 1e-6, foreach=None,
+                    strategy=None):
     """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
     alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
+    With ``strategy`` (``"global_norm"`` or a registered one): the reference's
+    Muon-only clip (``dmuon.muon_clip``), returning ``MuonGradClipStats``; ``foreach``
+    is accepted for its signature and changes nothing.
     Collective. Owned gradients live on one data-parallel coordinate; FSDP2 gradients
     are sharded on the shard dim and replicated on the replicate dim, so their squares
     are divided by R before the sum over all R x N coordinates; under tensor parallelism
     TP shards are summed over the TP group and what its T ranks all hold counts once.
     """
+    if strategy is not None:
+        return clip_muon_grads(get_state(_model_of(model_or_optimizer)), max_norm,
+                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                               strategy=strategy)
     if norm_type != 2.0:
         raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; the "
                          "global 2-norm is (norm_type=2.0)")
