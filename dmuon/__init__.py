@@ -59,6 +59,9 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   bucket clipped by its own norm (``SegmentedGradClipResult`` of
   ``GradClipBucketStats``); ``try_clip_optimizer_grad_norm_buckets_(optimizer,
   regular_grads=, adamw_grads=, max_norm=)`` (``dmuon.clip_buckets``).
+  ``prepare_muon_grads(model)`` (``wait_all_reduces``), ``broadcast_all_updates(model)``
+  and ``broadcast_all_updates_async(model)``: the owners' current values published to
+  every replica (``step()`` does it itself); ``install_patch()``: what the import does.
   ``dmuon.utils`` holds these and ``get_dedicated_params``/``get_owned_params`` under the
   reference's module name.
 - ``checkpoint.save/load(path, model, optimizer, extra=None)`` and
@@ -92,6 +95,7 @@ from .compose import (
     fully_shard,
     guard_tensor_parallel,
     install_fully_shard,
+    install_patch,
     replicate,
 )
 from .dcp_state_dict import (
@@ -121,6 +125,7 @@ from .newton_schulz import POLAR_EXPRESS_COEFFICIENTS, YOU_COEFFICIENTS, newton_
 from .ns_backends import NewtonSchulz, get_backend_status, get_ns_backend, gram_newton_schulz
 from .optim import Muon, adjusted_lr
 from .partition import Assignment, DedicationPlan, PlanMismatch, partition
+from .post_step import broadcast_all_updates, broadcast_all_updates_async, prepare_muon_grads
 from .routing import DMuonParamPolicy
 from .stats import MEMORY_KINDS, communicator_report, memory_report
 from .tp_traffic import install_tp_traffic_counters
@@ -140,6 +145,10 @@ def get_ledger(model) -> Ledger:
 # stored plan that does not fit is refused with PlanMismatch. ``dmuon.testing`` (the gloo
 # launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
+    "prepare_muon_grads",
+    "install_patch",
+    "broadcast_all_updates_async",
+    "broadcast_all_updates",
     "try_clip_optimizer_grad_norm_buckets_",
     "register_muon_grad_clip_strategy",
     "clip_grad_norm_buckets_",

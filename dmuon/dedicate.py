@@ -90,9 +90,18 @@ def _policy(mp_policy, compute_dtype, model: nn.Module, fqns):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtypes.pop())
 
 
-def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
+PROCESS_GROUP_POLICIES = (None, "isolated")
+
+
+def _check_can_dedicate(model: nn.Module, prefetch: int, process_group_policy=None) -> None:
     from torch.distributed.fsdp import FSDPModule
 
+    if process_group_policy not in PROCESS_GROUP_POLICIES:
+        raise ValueError(
+            f"process_group_policy={process_group_policy!r}: DMuon always talks on process "
+            "groups of its own, with the mesh's members ('isolated', the default), so a "
+            "training loop's collectives never interleave with its asynchronous ones; "
+            "sharing the mesh's groups ('shared') is refused")
     if hasattr(model, STATE_ATTR):
         raise RuntimeError("dedicate_params was already called on this model")
     if prefetch < 0:
@@ -276,7 +285,8 @@ def dedicate_params(model: nn.Module, mesh, predicate, *, replicate_mesh=None,
                     hook_boundary_strict: bool = True, mp_policy=None,
                     compute_dtype: torch.dtype | None = None, prefetch: int = 1,
                     plan: DedicationPlan | dict | None = None, param_policy=None,
-                    param_policy_fn=None, route_hint_fn=None) -> DedicationPlan:
+                    param_policy_fn=None, route_hint_fn=None,
+                    process_group_policy: str | None = None) -> DedicationPlan:
     """Assign each dedicated param an owner and install DMuon's hooks; returns the plan,
     which also maps each dedicated ``nn.Parameter`` to its owner's global rank.
 
@@ -293,8 +303,9 @@ def dedicate_params(model: nn.Module, mesh, predicate, *, replicate_mesh=None,
     ``param_policy``, ``param_policy_fn(name, param)`` or the legacy
     ``route_hint_fn(name, param)`` route each selected param to ``"muon"``, ``"adamw"``
     (dedicated, AdamW on its owner) or ``"sharded_adamw"`` (left to FSDP2).
+    ``process_group_policy``: ``"isolated"`` (the default; DMuon's own groups), only.
     """
-    _check_can_dedicate(model, prefetch)
+    _check_can_dedicate(model, prefetch, process_group_policy)
     plan, mp_policy, policies = _plan_and_policies(
         model, mesh, predicate, replicate_mesh, plan,
         (hook_boundary_predicate, hook_boundary_strict), (mp_policy, compute_dtype),

@@ -11,7 +11,8 @@ import functools
 import pytest
 import torch
 from _collectives import CollectiveRecorder
-from _model import DecoderLayer, build_model, get_config
+from _model import build_model, get_config
+from _routing import PURE_POLICY, pure_boundaries
 from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -19,23 +20,6 @@ import dmuon
 from dmuon.testing import run
 
 STEPS, WORLD, ELT = 10, 4, 8  # float64
-
-# the guide's "practical LLM policy", with this model's names
-PURE_POLICY = {
-    "defaults": {"route": "muon"},
-    "overrides": [
-        {"name": ["embed_tokens", "lm_head"], "set": {"route": "sharded_adamw"}},
-        {"name": ["norm", "ln_", ".bias"], "set": {"route": "adamw"}},
-    ],
-}
-
-
-def _boundary(model):
-    """The guide's hook boundaries: the decoder layers, and the final norm (called
-    outside them)."""
-    final_norm = model.model.norm
-    return lambda m: isinstance(m, DecoderLayer) or m is final_norm
-
 
 def _pure_train(rank, world, layout, policy_kind="param_policy"):
     R, N = layout
@@ -47,7 +31,7 @@ def _pure_train(rank, world, layout, policy_kind="param_policy"):
               else "muon"}[policy_kind]
     dmuon.dedicate_params(model, mesh["shard"], predicate=lambda n, p: p.requires_grad,
                           replicate_mesh=mesh["replicate"] if R > 1 else None,
-                          hook_boundary_predicate=_boundary(model), **{policy_kind: policy})
+                          hook_boundary_predicate=pure_boundaries(model), **{policy_kind: policy})
     fsdp_mesh = mesh if R > 1 else mesh["shard"]
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=fsdp_mesh)
