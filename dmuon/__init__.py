@@ -71,6 +71,11 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
 - ``qk_clip``: MuonClip's QK-clip, ``Muon(..., qk_clip=tau)``; an attention module
   takes part by naming its q/k weights in ``qk_clip_weights`` and calling
   ``qk_clip.record_max_logits(self, q, k)`` in its forward.
+- Diagnostics, rank-local and JSON-friendly (``dmuon.diagnostics``):
+  ``summarize_param_groups(model, optimizer)`` (routes, groups, one row per param),
+  ``summarize_comm_plan(model)`` (per boundary: owners, bytes per gather),
+  ``get_comm_ctx(model)`` (a ``DedicatedCommContext``), ``collect_forward_unshard_profile(
+  model)`` (the last step's forward gather bytes).
 - ``get_ledger(model)``: bytes per step by mesh dim and phase; ``memory_report(model,
   optimizer)``: live bytes by kind.
 
@@ -105,6 +110,13 @@ from .dcp_state_dict import (
     set_optimizer_state_dict,
 )
 from .dedicate import dedicate_params
+from .diagnostics import (
+    DedicatedCommContext,
+    collect_forward_unshard_profile,
+    get_comm_ctx,
+    summarize_comm_plan,
+    summarize_param_groups,
+)
 from .expert_dispatch import RowGroups, dispatch_combine, grouped_linear, grouped_mm_fits
 from .expert_parallel import shard_experts
 from .full_state import full_state_dict
@@ -145,6 +157,11 @@ def get_ledger(model) -> Ledger:
 # stored plan that does not fit is refused with PlanMismatch. ``dmuon.testing`` (the gloo
 # launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
+    "summarize_param_groups",
+    "summarize_comm_plan",
+    "get_comm_ctx",
+    "collect_forward_unshard_profile",
+    "DedicatedCommContext",
     "prepare_muon_grads",
     "install_patch",
     "broadcast_all_updates_async",

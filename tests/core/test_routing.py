@@ -7,6 +7,7 @@ gloo ranks, against the float64 single-process reference (torch.optim.Muon + Ada
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -50,6 +51,12 @@ def _pure_train(rank, world, layout, policy_kind="param_policy"):
             out["losses"].append(loss.item())
             out["calls"].append(rec.take())
             out["ledger"].append(dmuon.get_ledger(model).last_step_by_phase())
+    out["summary"] = json.loads(json.dumps(dmuon.summarize_param_groups(model, opt)))
+    out["comm_plan"] = json.loads(json.dumps(dmuon.summarize_comm_plan(model)))
+    out["profile"] = dmuon.collect_forward_unshard_profile(model)
+    ctx = dmuon.get_comm_ctx(model)
+    out["ctx"] = (type(ctx).__name__, [name for name, _ in ctx.communicators],
+                  dmuon.get_comm_ctx(torch.nn.Linear(2, 2)))
     out["full"] = dmuon.full_state_dict(model)
     out["plan"] = dmuon.get_plan(model).to_dict()
     out["routes"] = {n: p.route for n, p in dmuon.get_state(model).policies.items()}
@@ -201,3 +208,31 @@ def test_per_param_precision_is_refused_until_applied():
     policy = {"defaults": {"route": "adamw", "param_dtype": torch.bfloat16}}
     with pytest.raises(ValueError, match=r"\['param_dtype'\].*not supported yet"):
         dmuon.dedicate_params(model, None, predicate=lambda n, p: True, param_policy=policy)
+
+
+def test_diagnostics_report_routes_and_the_plan():
+    p_m, p_a, p_s = _sizes()
+    for rank, res in enumerate(pure((1, 4))):
+        summary = res["summary"]
+        assert summary["all_routes"] == {"muon": {"params": 14, "numel": p_m},
+                                         "adamw": {"params": 5, "numel": p_a},
+                                         "sharded_adamw": {"params": 2, "numel": p_s}}
+        assert [(g["kind"], g["dmuon_route"]) for g in summary["groups"]] == \
+            [("muon", "muon"), ("adamw", "adamw")]
+        rows = {r["name"]: r for r in summary["params"]}
+        assert len(rows) == 21 and not summary["rows_truncated"]
+        norm = rows["model.layers.1.post_attention_layernorm.weight"]
+        assert (norm["route"], norm["matched_overrides"], norm["param_dtype"]) == \
+            ("adamw", [1], "torch.float64")
+        assert rows["lm_head.weight"]["route"] == "sharded_adamw"
+        assert rows["lm_head.weight"]["matched_overrides"] == [0]
+        plan = res["comm_plan"]
+        # the plan's estimate is what the ledger measured on the shard dim each step
+        measured = sum(res["ledger"][-1]["shard"][p] for p in ("forward", "backward", "reduce"))
+        assert plan["shard_bytes_per_step"] == measured
+        assert [g["name"] for g in plan["groups"]] == \
+            ["model.layers.0", "model.layers.1", "model.norm"]
+        assert res["profile"]["forward_bytes"]["shard"] == res["ledger"][-1]["shard"]["forward"]
+        name, communicators, none = res["ctx"]
+        assert name == "DedicatedCommContext" and none is None
+        assert communicators == ["shard:0", "shard:1"], rank
