@@ -21,6 +21,7 @@ from torch import nn
 
 from .dedicate import dedicate_params
 from .model_state import is_dedicated
+from .precision import fsdp_policy
 
 
 def _skipping_dedicated(fsdp_fully_shard):
@@ -31,7 +32,9 @@ def _skipping_dedicated(fsdp_fully_shard):
     def fully_shard(module, *, ignored_params: set | None = None, **kwargs):
         modules = (module,) if isinstance(module, nn.Module) else tuple(module)
         dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
-        policy = kwargs.get("mp_policy")
+        policy = fsdp_policy(modules, kwargs.get("mp_policy"))
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         if dedicated and policy is not None:
             state = next(iter(dedicated))._dmuon_owner_state
             state.adopt_mp_policy(policy)

@@ -29,6 +29,7 @@ from .partition import (
     model_ep,
     plan_from_shapes,
 )
+from .precision import POLICY_ATTR, boundary_precision, install_casts, uses_precision
 from .process_groups import Communicators, mesh_device
 from .routing import ROUTE_ATTR, owner_adamw, resolve_policies, routed_predicate
 from .tp import tp_shard_of
@@ -206,7 +207,7 @@ def leave_meta(state: DedicatedModel) -> None:
 
 
 def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, shapes: dict,
-                     policy) -> list[Boundary]:
+                     policy, precision: dict | None = None) -> list[Boundary]:
     """Packed buffers for every boundary, filled with the params' current values
     (unless on the meta device), the module's tensors then viewing them.
 
@@ -219,7 +220,8 @@ def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, sh
     Boundaries go in forward order, the modules' (a parent's forward begins before its
     children's): by their params' order a boundary nested in another (an experts module
     inside its block) whose params come first would go first, and prefetch would
-    gather the wrong neighbour. ``contexts``: (the rank's, the expert-parallel one's)."""
+    gather the wrong neighbour. ``contexts``: (the rank's, the expert-parallel one's);
+    ``precision``: a boundary's own (param_dtype, grad_dtype, ...) (``dmuon.precision``)."""
     ctx, expert_ctx = contexts
     boundaries = []
     ep = ctx.shard_rank % plan.ep_size
@@ -228,7 +230,11 @@ def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, sh
     for name in sorted(members, key=order.__getitem__):
         members_here = members[name]
         here = expert_ctx if members_here[0].ep_base is not None else ctx
-        b = Boundary(name, members_here, here, *_param_dtype(members_here, policy))
+        param_dtype, master = _param_dtype(members_here, policy)
+        own_param, own_grad, *_ = (precision or {}).get(name, (None, None))
+        if own_grad is not None:  # its reduce in the policy's grad_dtype
+            here = dataclasses.replace(here, reduce_dtype=own_grad)
+        b = Boundary(name, members_here, here, own_param or param_dtype, master)
         if b.on_meta:
             b.free()  # the module keeps its meta params until dmuon.materialize
         else:
@@ -258,7 +264,8 @@ def _plan_to_run(stored, entries: list, sizes: tuple[int, int], ep: tuple, adamw
 
 def _plan_and_policies(model: nn.Module, mesh, predicate, replicate_mesh, stored,
                        hooks: tuple, dtypes: tuple, routing: tuple) -> tuple:
-    """(the plan, DMuon's mixed-precision policy, each selected param's routing policy).
+    """(the plan, DMuon's mixed-precision policy, each selected param's routing policy,
+    each boundary's own precision).
     ``hooks``: the boundary predicate and strictness; ``dtypes``: ``mp_policy`` and
     ``compute_dtype``; ``routing``: ``param_policy``, ``param_policy_fn``,
     ``route_hint_fn``."""
@@ -266,9 +273,13 @@ def _plan_and_policies(model: nn.Module, mesh, predicate, replicate_mesh, stored
     predicate, adamw = routed_predicate(predicate, policies), owner_adamw(policies)
     entries = model_entries(model, predicate, *hooks, adamw)
     mp_policy = _policy(*dtypes, model, [e[0] for e in entries])
+    if uses_precision(policies) and mp_policy is not None:
+        raise ValueError("dedicate_params takes dtypes from param_policy or from mp_policy/"
+                         "compute_dtype, not both")
+    precision = boundary_precision(entries, policies)
     sizes = (mesh.size(), replicate_mesh.size() if replicate_mesh is not None else 1)
     plan = _plan_to_run(stored, entries, sizes, model_ep(model, predicate), adamw)
-    return plan, mp_policy, policies
+    return plan, mp_policy, policies, precision
 
 
 def _contexts(mesh, replicate_mesh, mp_policy, plan: DedicationPlan) -> tuple:
@@ -306,19 +317,21 @@ def dedicate_params(model: nn.Module, mesh, predicate, *, replicate_mesh=None,
     ``process_group_policy``: ``"isolated"`` (the default; DMuon's own groups), only.
     """
     _check_can_dedicate(model, prefetch, process_group_policy)
-    plan, mp_policy, policies = _plan_and_policies(
+    plan, mp_policy, policies, precision = _plan_and_policies(
         model, mesh, predicate, replicate_mesh, plan,
         (hook_boundary_predicate, hook_boundary_strict), (mp_policy, compute_dtype),
         (param_policy, param_policy_fn, route_hint_fn))
     ctx, expert_ctx, comms = _contexts(mesh, replicate_mesh, mp_policy, plan)
     params = dict(model.named_parameters())
     boundaries = build_boundaries(plan, (ctx, expert_ctx), model,
-                                  _local_shapes(plan, params), mp_policy)
+                                  _local_shapes(plan, params), mp_policy, precision)
     _record_tp(plan, boundaries, ctx)
+    for name, (param_dtype, _, output_dtype, cast) in precision.items():
+        install_casts(model.get_submodule(name), param_dtype, output_dtype, cast)
     state = DedicatedModel(model, plan, ctx, boundaries, expert_ctx=expert_ctx,
                            communicators=comms, reshard_after_forward=reshard_after_forward,
-                           prefetch=prefetch, mp_policy=mp_policy,
-                           own_mp_policy=mp_policy is not None, policies=policies)
+                           prefetch=prefetch, mp_policy=mp_policy, policies=policies,
+                           own_mp_policy=mp_policy is not None or uses_precision(policies))
     _attach(model, state)
     return plan
 
@@ -341,6 +354,9 @@ def _attach(model: nn.Module, state: DedicatedModel) -> None:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
         setattr(params[fqn], ROUTE_ATTR, plan.params[plan.param_fqns[fqn][0]].route)
         params[fqn]._dmuon_owner_state = state  # param groups find the state
+    for name, policy in state.policies.items():  # sharded_adamw: dmuon.fully_shard reads it
+        if name not in plan.param_fqns:
+            setattr(params[name], POLICY_ATTR, policy)
     install_state_dict_guard(model, plan)
     tp_traffic.attach(model, state)
     _discarding_zero_grad(model, state)

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
+from .precision import check_precision
+
 ROUTES = ("muon", "adamw", "sharded_adamw")
 ROUTE_ATTR = "_dmuon_route"
 DTYPE_FIELDS = ("param_dtype", "grad_dtype", "output_dtype", "master_dtype", "optim_dtype")
@@ -159,13 +161,9 @@ def resolve_policies(model: nn.Module, predicate, param_policy=None, param_polic
 
 def check_route(name: str, param: nn.Parameter, policy: DMuonParamPolicy) -> None:
     """Refuse what a route cannot do: Muon orthogonalises matrices (2-D, or 3-D stacks of
-    experts) only; and, for now, any per-param precision other than the param's own."""
-    changed = [f for f in DTYPE_FIELDS if getattr(policy, f) not in (None, param.dtype)]
-    if changed or policy.cast_forward_inputs or policy.muon_forward_unshard != "broadcast":
-        raise ValueError(
-            f"'{name}': the policy's {changed or ['cast_forward_inputs/muon_forward_unshard']}"
-            " differ from the param's own: per-param precision is not supported yet; give "
-            "dedicate_params(mp_policy=MixedPrecisionPolicy(...)) for the whole model")
+    experts) only; and precision the param's storage cannot follow
+    (``dmuon.precision``)."""
+    check_precision(name, param, policy)
     if policy.route == "muon" and param.ndim not in (2, 3):
         raise ValueError(
             f"'{name}' {tuple(param.shape)} is routed to 'muon', which orthogonalises 2-D "

@@ -201,38 +201,3 @@ def test_override_rules():
     k = resolve("layers.0.self_attn.k_proj.weight", None)
     assert (k.route, k.grad_dtype, k.matched) == ("muon", None, (0,))
     assert resolve("norm.weight", None).route == "adamw"
-
-
-def test_per_param_precision_is_refused_until_applied():
-    model = build_model(get_config("tiny"), device="meta")
-    policy = {"defaults": {"route": "adamw", "param_dtype": torch.bfloat16}}
-    with pytest.raises(ValueError, match=r"\['param_dtype'\].*not supported yet"):
-        dmuon.dedicate_params(model, None, predicate=lambda n, p: True, param_policy=policy)
-
-
-def test_diagnostics_report_routes_and_the_plan():
-    p_m, p_a, p_s = _sizes()
-    for rank, res in enumerate(pure((1, 4))):
-        summary = res["summary"]
-        assert summary["all_routes"] == {"muon": {"params": 14, "numel": p_m},
-                                         "adamw": {"params": 5, "numel": p_a},
-                                         "sharded_adamw": {"params": 2, "numel": p_s}}
-        assert [(g["kind"], g["dmuon_route"]) for g in summary["groups"]] == \
-            [("muon", "muon"), ("adamw", "adamw")]
-        rows = {r["name"]: r for r in summary["params"]}
-        assert len(rows) == 21 and not summary["rows_truncated"]
-        norm = rows["model.layers.1.post_attention_layernorm.weight"]
-        assert (norm["route"], norm["matched_overrides"], norm["param_dtype"]) == \
-            ("adamw", [1], "torch.float64")
-        assert rows["lm_head.weight"]["route"] == "sharded_adamw"
-        assert rows["lm_head.weight"]["matched_overrides"] == [0]
-        plan = res["comm_plan"]
-        # the plan's estimate is what the ledger measured on the shard dim each step
-        measured = sum(res["ledger"][-1]["shard"][p] for p in ("forward", "backward", "reduce"))
-        assert plan["shard_bytes_per_step"] == measured
-        assert [g["name"] for g in plan["groups"]] == \
-            ["model.layers.0", "model.layers.1", "model.norm"]
-        assert res["profile"]["forward_bytes"]["shard"] == res["ledger"][-1]["shard"]["forward"]
-        name, communicators, none = res["ctx"]
-        assert name == "DedicatedCommContext" and none is None
-        assert communicators == ["shard:0", "shard:1"], rank
