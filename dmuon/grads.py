@@ -11,6 +11,7 @@ from torch import nn
 
 from . import comm
 from .model_state import get_state, is_dedicated
+from .muon_clip import clip_muon_grads
 
 
 @contextlib.contextmanager
@@ -118,12 +119,20 @@ def check_norm_type(norm_type: float) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, eps: float = 1e-6) -> torch.Tensor:
+                    error_if_nonfinite: bool = False, eps: float = 1e-6, foreach=None,
+                    strategy=None):
     """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
     alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
-    Collective; what the norm counts: ``squared_norm``. Under pipeline parallelism
-    ``PipelineMuon.clip_grad_norm_`` sums it over the stages.
+    With ``strategy`` (``"global_norm"`` or a registered one): the reference's
+    Muon-only clip (``dmuon.muon_clip``), returning ``MuonGradClipStats``; ``foreach``
+    is accepted for its signature and changes nothing. Collective; what the norm counts:
+    ``squared_norm``. Under pipeline parallelism ``PipelineMuon.clip_grad_norm_`` sums it
+    over the stages.
     """
+    if strategy is not None:
+        return clip_muon_grads(get_state(_model_of(model_or_optimizer)), max_norm,
+                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                               strategy=strategy)
     check_norm_type(norm_type)
     sq, grads = squared_norm(_model_of(model_or_optimizer))
     total = sq.sqrt()

@@ -521,6 +521,7 @@ def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
     KILLED with an end time and the W&B run has its exit record, each read back with
     its own tool; the job's log holds no traceback."""
     from service.control import ray_entrypoint
+    from service.control import submitter as runner_module
     from service.control.store import JobStore
     from service.job.plan.make import plan_document
     from service.worker.checkpoints import committed
