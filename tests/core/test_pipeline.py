@@ -103,9 +103,24 @@ def _nan_in_embedding(stages, step):
         _HANDLES.append(embedding.register_forward_hook(poison_output))
 
 
+def _ns_overflow(stages, step):
+    """Rank 2 (stage 1, shard 0): its Newton-Schulz overflows; every gradient is finite."""
+    import dmuon.ns_schedule as ns_schedule
+
+    def overflowing(*args, **kwargs):
+        return _ns_overflow.saved(*args, **kwargs) * float("inf")
+
+    if not hasattr(_ns_overflow, "saved"):
+        _ns_overflow.saved = ns_schedule.newton_schulz
+    poisoned = step == NAN_STEP and dist.get_rank() == 2
+    ns_schedule.newton_schulz = overflowing if poisoned else _ns_overflow.saved
+
+
 @pytest.mark.parametrize("split,poison", [("two", _nan_in_matrix),
-                                          ("embedding_alone", _nan_in_embedding)],
-                         ids=["matrix_in_stage_1", "embedding_in_a_stage_without_muon"])
+                                          ("embedding_alone", _nan_in_embedding),
+                                          ("two", _ns_overflow)],
+                         ids=["matrix_in_stage_1", "embedding_in_a_stage_without_muon",
+                              "update_in_stage_1"])
 def test_a_nan_in_one_stage_skips_the_step_on_every_rank_of_every_stage(split, poison):
     results = run(pp_train, split=split, steps=3, poison=poison, world_size=4)
     for rank, r in enumerate(results):
