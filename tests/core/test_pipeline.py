@@ -41,6 +41,11 @@ def test_1f1b_pp2_fsdp2_matches_the_reference():
     _assert_matches_reference(run(pp_train, schedule="1f1b", world_size=4))
 
 
+def test_pp2_hsdp2x2_matches_the_reference():
+    """A 3-D layout (pp, replicate, shard) on 8 ranks: each stage HSDP 2 x 2."""
+    _assert_matches_reference(run(pp_train, replicate=2, world_size=8))
+
+
 def _reduce_bytes(rank, world, micro):
     out = pp_train(rank, world, schedule="gpipe", steps=2, micro=micro)  # 1F1B wants m >= 2
     return {i: ledger["shard"]["reduce"] for i, ledger in out["ledgers"].items()}
