@@ -74,6 +74,7 @@ def build(schedule: str, split: str, z3: bool, micro: int, replicate: int = 1,
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
     )
 
     dims = ("pp", "replicate", "shard") if replicate > 1 else ("pp", "shard")
@@ -86,7 +87,8 @@ def build(schedule: str, split: str, z3: bool, micro: int, replicate: int = 1,
     stages = [_stage(mesh, full, i, split, z3, rows) for i in indices]
     opt = dmuon.PipelineMuon(stages, **HPARAMS, ns_dtype=torch.float64)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
-           "interleaved": ScheduleInterleaved1F1B}[schedule]
+           "interleaved": ScheduleInterleaved1F1B,
+           "zero_bubble": ScheduleInterleavedZeroBubble}[schedule]
     loss_fn = lambda out, target: causal_lm_loss(out, target)  # noqa: E731
     run = cls(stages if len(stages) > 1 else stages[0], n_microbatches=micro, loss_fn=loss_fn)
     return mesh, stages, opt, run

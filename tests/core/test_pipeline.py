@@ -188,3 +188,26 @@ def test_pp_bytes_are_the_activations_and_their_gradients(schedule, split, micro
             pp = ledger["pp"]
             assert pp.get("forward", 0) == (micro * per_micro if stage < last else 0), stage
             assert pp.get("backward", 0) == (micro * per_micro if stage > 0 else 0), stage
+
+
+def _stage_defaults(rank, world):
+    from _model import build_model, muon_predicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build_model(CONFIG, dtype=torch.float64, seed=0)
+    dmuon.dedicate_stage(model, mesh, muon_predicate)
+    return dmuon.get_state(model).reshard_after_forward
+
+
+def test_dedicate_stage_is_z2_by_default():
+    """Z3 would re-gather every matrix for each micro-batch's backward."""
+    assert run(_stage_defaults, world_size=2) == [False, False]
+
+
+def test_zero_bubble_schedules_are_refused_by_name():
+    """Their weight pass (autograd.grad) leaves .grad alone, which DMuon's hooks read."""
+    with pytest.raises(Exception, match="zero-bubble schedules"):
+        run(pp_train, schedule="zero_bubble", split="four", steps=1, world_size=4)
