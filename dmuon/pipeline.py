@@ -99,8 +99,8 @@ class PipelineMuon(torch.optim.Optimizer):
     together: every stage's updates are computed, one flag says whether any is not
     finite anywhere in the pipeline, then all are applied or all skipped (the updates
     of every stage here are held until it lands). ``param_groups`` are the stages' own
-    group dicts, so one LR scheduler drives them all; checkpoint each of ``optimizers``
-    with its stage.
+    group dicts, so one LR scheduler drives them all. ``dmuon.checkpoint`` does not
+    cover a pipeline yet (it takes one model, and coordinates over the whole world).
 
     Every rank of the pipeline must hold the same number of stages (the schedules'
     rule): each issues the same collectives, in the same order."""
