@@ -32,6 +32,7 @@ from . import comm
 from .dedicate import _groups_like, dedicate_params
 from .grads import check_norm_type, clip_to, squared_norm
 from .model_state import _fsdp2_nonfinite, get_state
+from .nonfinite import count_nonfinite
 from .optim import Muon
 from .process_groups import Communicators
 
@@ -95,8 +96,11 @@ class PipelineStage(pipelining.PipelineStage):
 class PipelineMuon(torch.optim.Optimizer):
     """One optimizer over the stages this rank holds: a ``dmuon.Muon`` per stage
     (``optimizers``, in the order of ``stages``; ``muon_kwargs`` go to each), stepped
-    together. ``param_groups`` are the stages' own group dicts, so one LR scheduler
-    drives them all; checkpoint each of ``optimizers`` with its stage.
+    together: every stage's updates are computed, one flag says whether any is not
+    finite anywhere in the pipeline, then all are applied or all skipped (the updates
+    of every stage here are held until it lands). ``param_groups`` are the stages' own
+    group dicts, so one LR scheduler drives them all. ``dmuon.checkpoint`` does not
+    cover a pipeline yet (it takes one model, and coordinates over the whole world).
 
     Every rank of the pipeline must hold the same number of stages (the schedules'
     rule): each issues the same collectives, in the same order."""
@@ -149,8 +153,16 @@ class PipelineMuon(torch.optim.Optimizer):
             raise ValueError("PipelineMuon.step takes no closure: the schedule runs the "
                              "forward and backward")
         self._agree_nonfinite()
-        for o in self.optimizers:
-            o.step()
+        prepared = [o.orthogonalised_updates() for o in self.optimizers]
+        anywhere = False
+        if not prepared[0][1]:  # the gradients' skip is the same on every stage by now
+            local = count_nonfinite(ortho for updates, _ in prepared
+                                    for _, ortho, _, _ in updates)
+            flag = torch.zeros(1, device=self._first.ctx.device) if local is None \
+                else local.reshape(1)
+            anywhere = bool(self._over_pipeline(flag).item())
+        for o, (updates, skip) in zip(self.optimizers, prepared):
+            o.finish_step(updates, skip, agree=lambda _: anywhere)
 
     @property
     def skipped_steps(self) -> int:

@@ -50,10 +50,13 @@ class StageModule(nn.Module):
 def _stage(mesh, full, index: int, split: str, z3: bool, micro_rows: int):
     first, layers, last = SPLITS[split][index]
     module = StageModule(full, first, layers, last)
-    dmuon.dedicate_stage(module, mesh["shard"], muon_predicate, reshard_after_forward=z3)
+    hsdp = "replicate" in mesh.mesh_dim_names
+    dmuon.dedicate_stage(module, mesh["shard"], muon_predicate, reshard_after_forward=z3,
+                         replicate_mesh=mesh["replicate"] if hsdp else None)
+    fsdp_mesh = mesh["replicate", "shard"] if hsdp else mesh["shard"]
     for layer in module.model.layers.values():
-        dmuon.fully_shard(layer, mesh=mesh["shard"], reshard_after_forward=z3)
-    dmuon.fully_shard(module, mesh=mesh["shard"], reshard_after_forward=z3)
+        dmuon.fully_shard(layer, mesh=fsdp_mesh, reshard_after_forward=z3)
+    dmuon.fully_shard(module, mesh=fsdp_mesh, reshard_after_forward=z3)
     # static shapes; requires_grad marks what carries a gradient between stages
     act = torch.empty(micro_rows, SEQ, CONFIG.dim, dtype=torch.float64, requires_grad=True)
     inp = torch.zeros(micro_rows, SEQ, dtype=torch.long) if first else act
@@ -62,40 +65,46 @@ def _stage(mesh, full, index: int, split: str, z3: bool, micro_rows: int):
                                input_args=inp, output_args=out, group=mesh["pp"].get_group())
 
 
-def build(schedule: str, split: str, z3: bool, micro: int, global_batch: int = 16):
+def build(schedule: str, split: str, z3: bool, micro: int, replicate: int = 1,
+          global_batch: int = 16):
     """This rank's stages (interleaved: stage p + PP * k), the PipelineMuon over them and
-    the schedule."""
+    the schedule; ``replicate`` > 1: HSDP inside each stage (pp, replicate, shard)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.pipelining import (
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
     )
 
-    mesh = init_device_mesh("cpu", (PP, DP), mesh_dim_names=("pp", "shard"))
+    dims = ("pp", "replicate", "shard") if replicate > 1 else ("pp", "shard")
+    shape = (PP, replicate, DP) if replicate > 1 else (PP, DP)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
     full = build_model(CONFIG, dtype=torch.float64, seed=0)
     p = mesh["pp"].get_local_rank()
     indices = range(p, len(SPLITS[split]), PP)
-    rows = global_batch // DP // micro
+    rows = global_batch // (replicate * DP) // micro
     stages = [_stage(mesh, full, i, split, z3, rows) for i in indices]
     opt = dmuon.PipelineMuon(stages, **HPARAMS, ns_dtype=torch.float64)
     cls = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe,
-           "interleaved": ScheduleInterleaved1F1B}[schedule]
+           "interleaved": ScheduleInterleaved1F1B,
+           "zero_bubble": ScheduleInterleavedZeroBubble}[schedule]
     loss_fn = lambda out, target: causal_lm_loss(out, target)  # noqa: E731
     run = cls(stages if len(stages) > 1 else stages[0], n_microbatches=micro, loss_fn=loss_fn)
     return mesh, stages, opt, run
 
 
 def pp_train(rank, world, *, schedule="1f1b", split="two", z3=False, steps=10, micro=4,
-             clip=None, poison=None) -> dict:
+             clip=None, poison=None, replicate=1) -> dict:
     """Train; returns the full params of this rank's stages, losses, norms, ledgers.
     ``poison(stages, step)``: a test's hook before each step's schedule runs."""
-    mesh, stages, opt, run = build(schedule, split, z3, micro)
+    mesh, stages, opt, run = build(schedule, split, z3, micro, replicate)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    d = mesh["shard"].get_local_rank()
+    r = mesh["replicate"].get_local_rank() if replicate > 1 else 0
+    d, dp = r * DP + mesh["shard"].get_local_rank(), replicate * DP
     out = {"losses": [], "norms": [], "skipped": [], "after": []}
     for step, batch in enumerate(global_batches(steps, CONFIG.vocab_size)):
-        rows = local_rows(batch, d, DP)
+        rows = local_rows(batch, d, dp)
         if poison is not None:
             poison(stages, step)
         losses: list = []

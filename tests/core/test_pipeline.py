@@ -41,6 +41,11 @@ def test_1f1b_pp2_fsdp2_matches_the_reference():
     _assert_matches_reference(run(pp_train, schedule="1f1b", world_size=4))
 
 
+def test_pp2_hsdp2x2_matches_the_reference():
+    """A 3-D layout (pp, replicate, shard) on 8 ranks: each stage HSDP 2 x 2."""
+    _assert_matches_reference(run(pp_train, replicate=2, world_size=8))
+
+
 def _reduce_bytes(rank, world, micro):
     out = pp_train(rank, world, schedule="gpipe", steps=2, micro=micro)  # 1F1B wants m >= 2
     return {i: ledger["shard"]["reduce"] for i, ledger in out["ledgers"].items()}
@@ -103,9 +108,24 @@ def _nan_in_embedding(stages, step):
         _HANDLES.append(embedding.register_forward_hook(poison_output))
 
 
+def _ns_overflow(stages, step):
+    """Rank 2 (stage 1, shard 0): its Newton-Schulz overflows; every gradient is finite."""
+    import dmuon.ns_schedule as ns_schedule
+
+    def overflowing(*args, **kwargs):
+        return _ns_overflow.saved(*args, **kwargs) * float("inf")
+
+    if not hasattr(_ns_overflow, "saved"):
+        _ns_overflow.saved = ns_schedule.newton_schulz
+    poisoned = step == NAN_STEP and dist.get_rank() == 2
+    ns_schedule.newton_schulz = overflowing if poisoned else _ns_overflow.saved
+
+
 @pytest.mark.parametrize("split,poison", [("two", _nan_in_matrix),
-                                          ("embedding_alone", _nan_in_embedding)],
-                         ids=["matrix_in_stage_1", "embedding_in_a_stage_without_muon"])
+                                          ("embedding_alone", _nan_in_embedding),
+                                          ("two", _ns_overflow)],
+                         ids=["matrix_in_stage_1", "embedding_in_a_stage_without_muon",
+                              "update_in_stage_1"])
 def test_a_nan_in_one_stage_skips_the_step_on_every_rank_of_every_stage(split, poison):
     results = run(pp_train, split=split, steps=3, poison=poison, world_size=4)
     for rank, r in enumerate(results):
@@ -168,3 +188,26 @@ def test_pp_bytes_are_the_activations_and_their_gradients(schedule, split, micro
             pp = ledger["pp"]
             assert pp.get("forward", 0) == (micro * per_micro if stage < last else 0), stage
             assert pp.get("backward", 0) == (micro * per_micro if stage > 0 else 0), stage
+
+
+def _stage_defaults(rank, world):
+    from _model import build_model, muon_predicate
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = build_model(CONFIG, dtype=torch.float64, seed=0)
+    dmuon.dedicate_stage(model, mesh, muon_predicate)
+    return dmuon.get_state(model).reshard_after_forward
+
+
+def test_dedicate_stage_is_z2_by_default():
+    """Z3 would re-gather every matrix for each micro-batch's backward."""
+    assert run(_stage_defaults, world_size=2) == [False, False]
+
+
+def test_zero_bubble_schedules_are_refused_by_name():
+    """Their weight pass (autograd.grad) leaves .grad alone, which DMuon's hooks read."""
+    with pytest.raises(Exception, match="zero-bubble schedules"):
+        run(pp_train, schedule="zero_bubble", split="four", steps=1, world_size=4)
