@@ -6,7 +6,7 @@ ranks (for the uneven all-gather and reduce-scatter, S is the whole gathered or 
 tensor; the broadcasts or reduces one is made of on gloo move the same; for the uneven
 all-to-all of expert dispatch, S is this rank's input, see ``expert_dispatch``). Counts
 are exact (fractions) and kept per mesh dimension (``shard``, ``replicate``, ``tp``,
-``ep``) and
+``ep``, ``pp``: a pipeline's point-to-point sends, their bytes as sent) and
 phase (``forward``, ``backward``, ``recompute``, ``reduce``, ``step``, ``replicate``,
 ``state_dict``, ``checkpoint``).
 
@@ -23,11 +23,17 @@ from fractions import Fraction
 import torch
 import torch.distributed as dist
 
-DIMS = ("shard", "replicate", "tp", "ep")
+DIMS = ("shard", "replicate", "tp", "ep", "pp")
 PHASES = ("forward", "backward", "recompute", "reduce", "step", "replicate", "state_dict",
           "checkpoint")
 _FACTOR = {"broadcast": 1, "reduce": 1, "all_gather": 1, "reduce_scatter": 1, "all_to_all": 1,
            "all_reduce": 2}
+
+
+def _key(dim: str, phase: str) -> tuple[str, str]:
+    if dim not in DIMS or phase not in PHASES:
+        raise ValueError(f"unknown ledger key dim={dim!r} phase={phase!r}")
+    return dim, phase
 
 
 class Ledger:
@@ -39,10 +45,13 @@ class Ledger:
         self.steps_closed = 0
 
     def record(self, op: str, payload_bytes: int, group_size: int, dim: str, phase: str):
-        if dim not in DIMS or phase not in PHASES:
-            raise ValueError(f"unknown ledger key dim={dim!r} phase={phase!r}")
         wire = Fraction(_FACTOR[op] * (group_size - 1) * payload_bytes, group_size)
-        self._current[(dim, phase)] += wire
+        self._current[_key(dim, phase)] += wire
+
+    def record_sent(self, payload_bytes: int, dim: str, phase: str) -> None:
+        """A point-to-point send (a pipeline stage's activations or their gradients):
+        its bytes as they are, no collective's cost model."""
+        self._current[_key(dim, phase)] += payload_bytes
 
     def close_step(self) -> None:
         """End the step: its counts become ``last_step`` and a new step starts at zero."""

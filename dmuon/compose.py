@@ -21,6 +21,7 @@ from torch import nn
 
 from .dedicate import dedicate_params
 from .model_state import is_dedicated
+from .precision import fsdp_policy
 
 
 def _skipping_dedicated(fsdp_fully_shard):
@@ -31,7 +32,9 @@ def _skipping_dedicated(fsdp_fully_shard):
     def fully_shard(module, *, ignored_params: set | None = None, **kwargs):
         modules = (module,) if isinstance(module, nn.Module) else tuple(module)
         dedicated = {p for m in modules for p in m.parameters() if is_dedicated(p)}
-        policy = kwargs.get("mp_policy")
+        policy = fsdp_policy(modules, kwargs.get("mp_policy"))
+        if policy is not None:
+            kwargs["mp_policy"] = policy
         if dedicated and policy is not None:
             state = next(iter(dedicated))._dmuon_owner_state
             state.adopt_mp_policy(policy)
@@ -67,6 +70,18 @@ def install_fully_shard() -> None:
     fsdp.fully_shard = fully_shard
 
 
+def install_patch() -> None:
+    """The reference's name for what ``import dmuon`` does (idempotent): the public
+    ``torch.distributed.fsdp.fully_shard`` skips dedicated params, TP's
+    ``distribute_module`` refuses them, TP plans are counted. No FSDP2 function is
+    replaced (its ``_get_managed_states`` stays FSDP2's)."""
+    from .tp_traffic import install_tp_traffic_counters
+
+    install_fully_shard()
+    guard_tensor_parallel()
+    install_tp_traffic_counters()
+
+
 def _replicate_layout(mesh):
     """A 1-D data-parallel mesh as the R x 1 (replicate, shard) layout of the same ranks."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -80,17 +95,22 @@ def _replicate_layout(mesh):
 
 def dedicate_params_ddp(model: nn.Module, mesh, predicate, *, compute_dtype=None,
                         hook_boundary_predicate=None, hook_boundary_strict: bool = True,
-                        mp_policy=None):
+                        mp_policy=None, param_policy=None, param_policy_fn=None,
+                        route_hint_fn=None, process_group_policy: str | None = None):
     """Dedicated ownership without sharding (the reference's DDP composition): every rank
     keeps every matrix, one owner per matrix among all ranks receives its averaged
     gradient, runs NS alone and sends the update to the others. It is the R x 1 layout
     of ``mesh``'s ranks (DMuon-Z2 on a shard group of one); ``dmuon.replicate(model)``
-    then replicates the other params."""
+    then replicates the other params. ``param_policy``, ``param_policy_fn``,
+    ``route_hint_fn`` and ``process_group_policy``: as ``dedicate_params`` takes them."""
     layout = _replicate_layout(mesh)
     plan = dedicate_params(model, layout["shard"], predicate, replicate_mesh=layout["replicate"],
                            reshard_after_forward=False, compute_dtype=compute_dtype,
                            hook_boundary_predicate=hook_boundary_predicate,
-                           hook_boundary_strict=hook_boundary_strict, mp_policy=mp_policy)
+                           hook_boundary_strict=hook_boundary_strict, mp_policy=mp_policy,
+                           param_policy=param_policy, param_policy_fn=param_policy_fn,
+                           route_hint_fn=route_hint_fn,
+                           process_group_policy=process_group_policy)
     model._dmuon_ddp_layout = layout
     return plan
 

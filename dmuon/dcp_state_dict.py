@@ -208,6 +208,16 @@ def _full_row_states(model: nn.Module, opt) -> dict[str, torch.Tensor]:
     return {key: value[..., :1].clone() for key, value in full.items() if key in keys}
 
 
+def refuse_owner_adamw(state, what: str) -> None:
+    """The full optimizer dict holds Muon momentum for every dedicated param; the
+    ``adamw`` route's AdamW state on owners is not in it yet."""
+    routed = [a.param for a in state.plan.params.values() if a.route == "adamw"]
+    if routed:
+        raise NotImplementedError(
+            f"{what} with params routed to 'adamw' ({routed[:3]}...): their owners' "
+            "AdamW state is not in the full dict yet")
+
+
 def _group_names(model: nn.Module, opt) -> list[list[str]]:
     """Each param group's param FQNs over every rank (Muon groups hold this rank's
     masters only)."""
@@ -229,6 +239,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizers, *, options=None,
         return checkpoint.optimizer_share(model, opt)
     checkpoint.ensure_optimizer_state(opt)
     state = get_state(model)
+    refuse_owner_adamw(state, "get_optimizer_state_dict (full)")
     momentum = full_owned(state, lambda b, fqn: opt.state[b.masters[fqn]]["momentum_buffer"])
     out = {key: {"momentum_buffer": value} for key, value in momentum.items()}
     for key, value in _full_row_states(model, opt).items():
@@ -254,6 +265,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
         return
     checkpoint.ensure_optimizer_state(opt)
     state, saved = get_state(model), optim_state_dict["state"]
+    refuse_owner_adamw(state, "set_optimizer_state_dict (full)")
     names = param_names(model)
     targets = [(b.masters[m.fqn], m, canonical_fqn(state.plan.params[m.fqn].param))
                for b in state.boundaries for m in b.owned]

@@ -23,12 +23,15 @@ from .model_state import DEDICATED_ATTR, STATE_ATTR, DedicatedModel, RankContext
 from .partition import (
     EP_ATTR,
     DedicationPlan,
+    PlanMismatch,
     check_plan,
     model_entries,
     model_ep,
     plan_from_shapes,
 )
+from .precision import POLICY_ATTR, boundary_precision, install_casts, uses_precision
 from .process_groups import Communicators, mesh_device
+from .routing import ROUTE_ATTR, owner_adamw, resolve_policies, routed_predicate
 from .tp import tp_shard_of
 
 
@@ -88,9 +91,18 @@ def _policy(mp_policy, compute_dtype, model: nn.Module, fqns):
     return MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=dtypes.pop())
 
 
-def _check_can_dedicate(model: nn.Module, prefetch: int) -> None:
+PROCESS_GROUP_POLICIES = (None, "isolated")
+
+
+def _check_can_dedicate(model: nn.Module, prefetch: int, process_group_policy=None) -> None:
     from torch.distributed.fsdp import FSDPModule
 
+    if process_group_policy not in PROCESS_GROUP_POLICIES:
+        raise ValueError(
+            f"process_group_policy={process_group_policy!r}: DMuon always talks on process "
+            "groups of its own, with the mesh's members ('isolated', the default), so a "
+            "training loop's collectives never interleave with its asynchronous ones; "
+            "sharing the mesh's groups ('shared') is refused")
     if hasattr(model, STATE_ATTR):
         raise RuntimeError("dedicate_params was already called on this model")
     if prefetch < 0:
@@ -195,7 +207,7 @@ def leave_meta(state: DedicatedModel) -> None:
 
 
 def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, shapes: dict,
-                     policy) -> list[Boundary]:
+                     policy, precision: dict | None = None) -> list[Boundary]:
     """Packed buffers for every boundary, filled with the params' current values
     (unless on the meta device), the module's tensors then viewing them.
 
@@ -208,7 +220,8 @@ def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, sh
     Boundaries go in forward order, the modules' (a parent's forward begins before its
     children's): by their params' order a boundary nested in another (an experts module
     inside its block) whose params come first would go first, and prefetch would
-    gather the wrong neighbour. ``contexts``: (the rank's, the expert-parallel one's)."""
+    gather the wrong neighbour. ``contexts``: (the rank's, the expert-parallel one's);
+    ``precision``: a boundary's own (param_dtype, grad_dtype, ...) (``dmuon.precision``)."""
     ctx, expert_ctx = contexts
     boundaries = []
     ep = ctx.shard_rank % plan.ep_size
@@ -217,7 +230,11 @@ def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, sh
     for name in sorted(members, key=order.__getitem__):
         members_here = members[name]
         here = expert_ctx if members_here[0].ep_base is not None else ctx
-        b = Boundary(name, members_here, here, *_param_dtype(members_here, policy))
+        param_dtype, master = _param_dtype(members_here, policy)
+        own_param, own_grad, *_ = (precision or {}).get(name, (None, None))
+        if own_grad is not None:  # its reduce in the policy's grad_dtype
+            here = dataclasses.replace(here, reduce_dtype=own_grad)
+        b = Boundary(name, members_here, here, own_param or param_dtype, master)
         if b.on_meta:
             b.free()  # the module keeps its meta params until dmuon.materialize
         else:
@@ -227,74 +244,97 @@ def build_boundaries(plan: DedicationPlan, contexts: tuple, model: nn.Module, sh
     return boundaries
 
 
-def _plan_to_run(stored, entries: list, shard_size: int, replicate_size: int, ep: tuple):
-    """The stored plan, checked against the model and mesh (a copy: ``dedicate_params``
-    fills in TP modes and binds params), else a new partition. ``ep``: (the
-    expert-parallel params, the EP degree)."""
+def _plan_to_run(stored, entries: list, sizes: tuple[int, int], ep: tuple, adamw):
+    """The stored plan, checked against the model, mesh and routes (a copy:
+    ``dedicate_params`` fills in TP modes and binds params), else a new partition.
+    ``sizes``: (shard, replicate); ``ep``: (the expert-parallel params, the EP degree);
+    ``adamw``: the params routed to AdamW on their owner."""
     if stored is None:
-        return plan_from_shapes(entries, shard_size, replicate_size, ep_params=ep[0],
-                                ep_size=ep[1])
+        return plan_from_shapes(entries, *sizes, ep_params=ep[0], ep_size=ep[1],
+                                owner_adamw=adamw)
     plan = DedicationPlan.from_dict(
         stored.to_dict() if isinstance(stored, DedicationPlan) else stored)
-    check_plan(plan, entries, shard_size, replicate_size, *ep)
+    check_plan(plan, entries, *sizes, *ep)
+    for a in plan.params.values():
+        if (a.route == "adamw") != (a.param in adamw):
+            raise PlanMismatch(f"'{a.param}': the plan routes it to {a.route!r}, the "
+                               "param_policy does not")
     return plan
 
 
-def dedicate_params(
-    model: nn.Module,
-    mesh,
-    predicate,
-    *,
-    replicate_mesh=None,
-    reshard_after_forward: bool = True,
-    hook_boundary_predicate=None,
-    hook_boundary_strict: bool = True,
-    mp_policy=None,
-    compute_dtype: torch.dtype | None = None,
-    prefetch: int = 1,
-    plan: DedicationPlan | dict | None = None,
-) -> DedicationPlan:
-    """Assign each Muon-target matrix an owner and install DMuon's hooks; returns the plan.
-
-    ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``): packed buffers and gathers in
-    ``param_dtype``, reduces in ``reduce_dtype``, masters and momentum in the params' own
-    dtype. Given here, it is DMuon's own and ``fully_shard``'s ``mp_policy`` covers
-    FSDP2's params only; else the first ``dmuon.fully_shard(mp_policy=...)`` over a hook
-    boundary sets it for both. ``compute_dtype=X`` (the reference's name) is
-    ``mp_policy=MixedPrecisionPolicy(param_dtype=X, reduce_dtype=<the dedicated params'
-    dtype>)``. A non-matrix param the predicate selects goes to AdamW, with one warning
-    naming them all. ``prefetch``: how many boundaries ahead the forward (and, in Z3,
-    the backward) issues all-gathers. A model on the meta device is planned and laid out
-    without values; ``dmuon.materialize`` then creates them. ``plan``: a stored plan (or
-    its ``to_dict()``) to apply instead of partitioning; refused (``PlanMismatch``,
-    naming the first differing FQN) before any collective when it does not describe this
-    model and mesh. The plan returned also maps each dedicated ``nn.Parameter`` to its
-    owner's global rank.
-    """
-    _check_can_dedicate(model, prefetch)
-    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
-    mp_policy = _policy(mp_policy, compute_dtype, model, [e[0] for e in entries])
-    plan = _plan_to_run(plan, entries, mesh.size(), replicate_mesh.size() if replicate_mesh
-                        is not None else 1, model_ep(model, predicate))
-    return _build(model, plan, mesh, replicate_mesh, mp_policy,
-                  reshard_after_forward=reshard_after_forward, prefetch=prefetch)
+def _plan_and_policies(model: nn.Module, mesh, predicate, replicate_mesh, stored,
+                       hooks: tuple, dtypes: tuple, routing: tuple,
+                       allow_empty: bool = False) -> tuple:
+    """(the plan, DMuon's mixed-precision policy, each selected param's routing policy,
+    each boundary's own precision).
+    ``hooks``: the boundary predicate and strictness; ``dtypes``: ``mp_policy`` and
+    ``compute_dtype``; ``routing``: ``param_policy``, ``param_policy_fn``,
+    ``route_hint_fn``."""
+    policies = resolve_policies(model, predicate, *routing)
+    predicate, adamw = routed_predicate(predicate, policies), owner_adamw(policies)
+    entries = model_entries(model, predicate, *hooks, adamw, allow_empty)
+    mp_policy = _policy(*dtypes, model, [e[0] for e in entries])
+    if uses_precision(policies) and mp_policy is not None:
+        raise ValueError("dedicate_params takes dtypes from param_policy or from mp_policy/"
+                         "compute_dtype, not both")
+    precision = boundary_precision(entries, policies)
+    sizes = (mesh.size(), replicate_mesh.size() if replicate_mesh is not None else 1)
+    plan = _plan_to_run(stored, entries, sizes, model_ep(model, predicate), adamw)
+    return plan, mp_policy, policies, precision
 
 
-def _build(model: nn.Module, plan: DedicationPlan, mesh, replicate_mesh, mp_policy, *,
-           reshard_after_forward: bool, prefetch: int) -> DedicationPlan:
-    """This rank's groups (warmed), boundaries and ``DedicatedModel``, attached."""
+def _contexts(mesh, replicate_mesh, mp_policy, plan: DedicationPlan) -> tuple:
+    """(this rank's context, the expert-parallel one or None, DMuon's groups, warmed)."""
     comms = Communicators()
     ctx = _rank_context(mesh, replicate_mesh, getattr(mp_policy, "reduce_dtype", None), comms)
     expert_ctx = _expert_context(ctx, mesh, plan.ep_size, comms) if plan.ep_size > 1 else None
     comms.warm(ctx.device)
+    return ctx, expert_ctx, comms
+
+
+def dedicate_params(model: nn.Module, mesh, predicate, *, replicate_mesh=None,
+                    reshard_after_forward: bool = True, hook_boundary_predicate=None,
+                    hook_boundary_strict: bool = True, mp_policy=None,
+                    compute_dtype: torch.dtype | None = None, prefetch: int = 1,
+                    plan: DedicationPlan | dict | None = None, param_policy=None,
+                    param_policy_fn=None, route_hint_fn=None,
+                    process_group_policy: str | None = None,
+                    allow_empty: bool = False) -> DedicationPlan:
+    """Assign each dedicated param an owner and install DMuon's hooks; returns the plan,
+    which also maps each dedicated ``nn.Parameter`` to its owner's global rank.
+
+    ``mp_policy`` (FSDP2's ``MixedPrecisionPolicy``): packed buffers and gathers in
+    ``param_dtype``, reduces in ``reduce_dtype``, masters and momentum in the params' own
+    dtype; given here it is DMuon's own, else the first ``dmuon.fully_shard(mp_policy=)``
+    over a boundary sets it for both. ``compute_dtype=X`` (the reference's name) is
+    ``mp_policy=MixedPrecisionPolicy(param_dtype=X, reduce_dtype=<the params' dtype>)``.
+    A non-matrix param the predicate selects goes to AdamW, with one warning naming them
+    all. ``prefetch``: how many boundaries ahead the all-gathers go. A meta model is
+    planned without values (``dmuon.materialize`` creates them). ``plan``: a stored plan
+    (or its ``to_dict()``) to apply, refused with ``PlanMismatch`` before any collective
+    when it does not describe this model and mesh. Pure DMuon (``dmuon.routing``):
+    ``param_policy``, ``param_policy_fn(name, param)`` or the legacy
+    ``route_hint_fn(name, param)`` route each selected param to ``"muon"``, ``"adamw"``
+    (dedicated, AdamW on its owner) or ``"sharded_adamw"`` (left to FSDP2).
+    ``process_group_policy``: ``"isolated"`` (the default; DMuon's own groups), only.
+    ``allow_empty``: selecting nothing is no error (a pipeline stage of only AdamW params).
+    """
+    _check_can_dedicate(model, prefetch, process_group_policy)
+    plan, mp_policy, policies, precision = _plan_and_policies(
+        model, mesh, predicate, replicate_mesh, plan,
+        (hook_boundary_predicate, hook_boundary_strict), (mp_policy, compute_dtype),
+        (param_policy, param_policy_fn, route_hint_fn), allow_empty)
+    ctx, expert_ctx, comms = _contexts(mesh, replicate_mesh, mp_policy, plan)
     params = dict(model.named_parameters())
     boundaries = build_boundaries(plan, (ctx, expert_ctx), model,
-                                  _local_shapes(plan, params), mp_policy)
+                                  _local_shapes(plan, params), mp_policy, precision)
     _record_tp(plan, boundaries, ctx)
+    for name, (param_dtype, _, output_dtype, cast) in precision.items():
+        install_casts(model.get_submodule(name), param_dtype, output_dtype, cast)
     state = DedicatedModel(model, plan, ctx, boundaries, expert_ctx=expert_ctx,
                            communicators=comms, reshard_after_forward=reshard_after_forward,
-                           prefetch=prefetch, mp_policy=mp_policy,
-                           own_mp_policy=mp_policy is not None)
+                           prefetch=prefetch, mp_policy=mp_policy, policies=policies,
+                           own_mp_policy=mp_policy is not None or uses_precision(policies))
     _attach(model, state)
     return plan
 
@@ -315,7 +355,11 @@ def _attach(model: nn.Module, state: DedicatedModel) -> None:
     plan, params = state.plan, dict(model.named_parameters())
     for fqn in plan.param_fqns:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
+        setattr(params[fqn], ROUTE_ATTR, plan.params[plan.param_fqns[fqn][0]].route)
         params[fqn]._dmuon_owner_state = state  # param groups find the state
+    for name, policy in state.policies.items():  # sharded_adamw: dmuon.fully_shard reads it
+        if name not in plan.param_fqns:
+            setattr(params[name], POLICY_ATTR, policy)
     install_state_dict_guard(model, plan)
     tp_traffic.attach(model, state)
     _discarding_zero_grad(model, state)

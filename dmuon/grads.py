@@ -11,6 +11,7 @@ from torch import nn
 
 from . import comm
 from .model_state import get_state, is_dedicated
+from .muon_clip import clip_muon_grads
 
 
 @contextlib.contextmanager
@@ -77,20 +78,13 @@ def _gradients(state, model) -> list[torch.Tensor]:
     return owned + [g.to_local() if hasattr(g, "to_local") else g for g in sharded]
 
 
-@torch.no_grad()
-def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False, eps: float = 1e-6) -> torch.Tensor:
-    """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
-    alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
-    Collective. Owned gradients live on one data-parallel coordinate; FSDP2 gradients
-    are sharded on the shard dim and replicated on the replicate dim, so their squares
-    are divided by R before the sum over all R x N coordinates; under tensor parallelism
-    TP shards are summed over the TP group and what its T ranks all hold counts once.
-    """
-    if norm_type != 2.0:
-        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; the "
-                         "global 2-norm is (norm_type=2.0)")
-    model = _model_of(model_or_optimizer)
+def squared_norm(model: nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The squared global 2-norm of a dedicated model's gradients, summed over its layout
+    (collective), and this rank's gradients it counts. Owned gradients live on one
+    data-parallel coordinate; FSDP2 gradients are sharded on the shard dim and replicated
+    on the replicate dim, so their squares are divided by R before the sum over all R x N
+    coordinates; under tensor parallelism TP shards are summed over the TP group and what
+    its T ranks all hold counts once. A pipeline sums it over its stages."""
     state = get_state(model)
     state.finish_gradient_sync()
     grads, ctx = _gradients(state, model), state.ctx
@@ -103,11 +97,44 @@ def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2
         comm.wait(comm.all_reduce_sum(sq, ctx.replicate_group, ctx.ledger, "replicate", "step"))
     if tp_group is not None:
         comm.wait(comm.all_reduce_sum(sq, tp_group, ctx.ledger, "tp", "step"))
-    total = (sq[0] + sq[1] / ctx.replicate_size).sqrt()
+    return sq[0] + sq[1] / ctx.replicate_size, grads
+
+
+def clip_to(grads: list[torch.Tensor], total: torch.Tensor, max_norm: float,
+            error_if_nonfinite: bool, eps: float) -> None:
+    """Scale ``grads`` so that a global norm of ``total`` becomes at most ``max_norm``."""
     if error_if_nonfinite and not math.isfinite(total.item()):
         raise RuntimeError(f"clip_grad_norm_: the total gradient norm is {total.item()}")
     coef = float(max_norm) / (total.item() + eps)
     if coef < 1 and math.isfinite(coef):
         for g in grads:
             g.mul_(coef)
+
+
+def check_norm_type(norm_type: float) -> None:
+    if norm_type != 2.0:
+        raise ValueError(f"clip_grad_norm_: norm_type={norm_type} is not supported; the "
+                         "global 2-norm is (norm_type=2.0)")
+
+
+@torch.no_grad()
+def clip_grad_norm_(model_or_optimizer, max_norm: float, *, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False, eps: float = 1e-6, foreach=None,
+                    strategy=None):
+    """Clip the global 2-norm of every gradient of a dedicated model (owned and FSDP2
+    alike; pass the model or its ``dmuon.Muon``); returns the norm before clipping.
+    With ``strategy`` (``"global_norm"`` or a registered one): the reference's
+    Muon-only clip (``dmuon.muon_clip``), returning ``MuonGradClipStats``; ``foreach``
+    is accepted for its signature and changes nothing. Collective; what the norm counts:
+    ``squared_norm``. Under pipeline parallelism ``PipelineMuon.clip_grad_norm_`` sums it
+    over the stages.
+    """
+    if strategy is not None:
+        return clip_muon_grads(get_state(_model_of(model_or_optimizer)), max_norm,
+                               norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                               strategy=strategy)
+    check_norm_type(norm_type)
+    sq, grads = squared_norm(_model_of(model_or_optimizer))
+    total = sq.sqrt()
+    clip_to(grads, total, max_norm, error_if_nonfinite, eps)
     return total

@@ -159,6 +159,9 @@ class BoundaryHooks:
         self.state.reduce.boundary_done(self.boundary)
 
     def reset(self) -> None:
-        """A new forward starts: nothing of the previous backward is pending."""
+        """A backward is over: nothing of it is pending, and the next backward gathers
+        again (under a pipeline schedule two micro-batches' backwards may follow one
+        another with no forward between them, and the first one's end freed it)."""
         self._pending_calls = 0
         self._open = False
+        self._regathered = False

@@ -58,11 +58,14 @@ class DedicatedModel:
 
     def __init__(self, model: nn.Module, plan: DedicationPlan, ctx: RankContext,
                  boundaries: list, *, expert_ctx: RankContext | None, communicators,
-                 reshard_after_forward: bool, prefetch: int, mp_policy, own_mp_policy: bool):
+                 reshard_after_forward: bool, prefetch: int, mp_policy, own_mp_policy: bool,
+                 policies: dict | None = None):
         self.plan, self.ctx, self.expert_ctx = plan, ctx, expert_ctx
         self.communicators = communicators  # DMuon's own groups (process_groups)
         self.reshard_after_forward, self.prefetch_depth = reshard_after_forward, prefetch
         self.mp_policy = mp_policy
+        # name -> DMuonParamPolicy of each selected param (dmuon.routing); {} without one
+        self.policies: dict = dict(policies or {})
         self.own_mp_policy = own_mp_policy  # given to dedicate_params: FSDP2's is its own
         self.boundaries: list[Boundary] = boundaries
         self.needs_init = any(p.is_meta for b in boundaries for p in b.params)

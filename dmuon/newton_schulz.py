@@ -76,8 +76,8 @@ def check_backend(backend: str) -> str:
     """The backend's canonical name ("direct" is "standard")."""
     if not isinstance(backend, str):
         raise TypeError(f"ns_backend={backend!r}: pass a name, one of {list(BACKENDS)} (or "
-                        "'direct'), and the schedule as ns_coefficients; the reference's "
-                        "NewtonSchulz objects and kernel switches have no meaning here")
+                        "'direct'), with the schedule as ns_coefficients, or a "
+                        "dmuon.NewtonSchulz(backend, coefficients=...)")
     backend = BACKEND_ALIASES.get(backend, backend)
     if backend not in BACKENDS:
         raise ValueError(f"ns_backend={backend!r} is not one of {list(BACKENDS)} or 'direct'")

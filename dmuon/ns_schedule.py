@@ -69,7 +69,8 @@ def ns_options(group) -> dict:
     """``newton_schulz``'s keywords from a Muon group's options."""
     return dict(steps=group["ns_steps"], backend=group["ns_backend"],
                 coefficients=group["ns_coefficients"], dtype=group["ns_dtype"],
-                eps=group["eps"], gram_dtype=group["ns_gram_dtype"])
+                eps=group["eps"], gram_dtype=group["ns_gram_dtype"],
+                restart=group.get("ns_restart", True))
 
 
 def orthogonalise_batch(group, entries: list) -> list:

@@ -119,9 +119,15 @@ class Muon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        updates, skip = self._orthogonalised_updates()
+        self.finish_step(*self.orthogonalised_updates())
+        return loss
+
+    def finish_step(self, updates: list, skip: bool, agree=None) -> None:
+        """Apply ``orthogonalised_updates``' result, or skip the step; ``agree(flag)``
+        says whether a non-finite update was seen anywhere (this model's layout; a
+        pipeline passes its own, over every stage)."""
         if not skip:
-            skip = self._check_updates(updates)
+            skip = self._check_updates(updates, agree or self._state.agree)
         if skip:
             self.skipped_steps += 1
             self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
@@ -136,7 +142,6 @@ class Muon(torch.optim.Optimizer):
             self._clip_qk(skip)
         self._state.after_step(self.replicate_async)
         self._state.ledger.close_step()
-        return loss
 
     def _clip_qk(self, skip: bool) -> None:
         """After the update, before the post-step broadcast carries the rows: the max
@@ -147,7 +152,7 @@ class Muon(torch.optim.Optimizer):
         self.max_logit, self.clipped_heads = self._qk_clip.max_logit, \
             self._qk_clip.clipped_heads
 
-    def _orthogonalised_updates(self) -> tuple[list, bool]:
+    def orthogonalised_updates(self) -> tuple[list, bool]:
         """Every owned matrix's orthogonalised update, computed as its gradient lands;
         or, when some rank's gradients were not finite, none (True: skip the step)."""
         schedule = landing_schedule(self.param_groups, self._state.boundaries, self._member_of)
@@ -165,9 +170,12 @@ class Muon(torch.optim.Optimizer):
                                 self.ledger, pending, updates)
             for key in schedule[id(b)]["batches"]:
                 updates += orthogonalise_batch(self.param_groups[key[0]], pending.pop(key, []))
+        if not self._state.boundaries:  # no matrix (a pipeline stage): no landing waited
+            self.nonfinite_ranks = self._state.nonfinite_ranks()
+            skip = self.skip_nonfinite and bool(self.nonfinite_ranks)
         return updates, skip
 
-    def _check_updates(self, updates: list) -> bool:
+    def _check_updates(self, updates: list, agree) -> bool:
         """Whether an orthogonalised update is not finite on some rank (NS overflowing
         in half precision, say): agreed on every rank, TP peers included, before any
         param moves, so every rank skips the same steps. Momentum keeps the (finite)
@@ -175,7 +183,7 @@ class Muon(torch.optim.Optimizer):
         local = count_nonfinite(ortho for _, ortho, _, _ in updates)
         if local is None:
             local = torch.zeros((), device=self._state.ctx.device)
-        if not self._state.agree(local):
+        if not agree(local):
             return False
         if not self.nonfinite_ranks:
             self.nonfinite_ranks = ["update"]

@@ -7,12 +7,14 @@ from __future__ import annotations
 from torch import nn
 
 from .model_state import DedicatedModel, get_state, is_dedicated
-from .newton_schulz import check_backend, coefficient_schedule
+from .newton_schulz import coefficient_schedule
+from .ns_backends import group_options
+from .routing import ROUTES, param_route
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_backend",
               "ns_coefficients", "ns_dtype", "ns_gram_dtype", "eps", "adjust_lr_fn",
-              "variant", "beta2", "group_name")
+              "variant", "beta2", "group_name", "ns_restart")
 VARIANTS = ("muon", "normuon")
 ADAMW_KEYS = ("lr", "betas", "eps", "weight_decay", "group_name")
 # the reference's named groups: key -> (the Muon or AdamW option it sets, fallback keys)
@@ -22,7 +24,9 @@ _NAMED_GROUP_KEYS = {
     "adamw": {"lr": ("adamw_lr", "lr"), "weight_decay": ("adamw_weight_decay", "weight_decay"),
               "betas": ("adamw_betas",), "eps": ("adamw_eps",)},
 }
-_NAMED_GROUP_EXTRA = ("params", "group_name", "name")
+# a user group's explicit route for its DMuon-managed params (the reference's three names)
+ROUTE_KEYS = ("dmuon_route", "dmuon_optimizer", "matrix_optimizer")
+_NAMED_GROUP_EXTRA = ("params", "group_name", "name", *ROUTE_KEYS)
 
 
 def named_groups(model: nn.Module, param_groups) -> list[dict]:
@@ -47,10 +51,13 @@ def named_groups(model: nn.Module, param_groups) -> list[dict]:
             if id(p) in seen:
                 raise ValueError(f"dmuon.Muon: a param is in param_groups {seen[id(p)]} and {i}")
             seen[id(p)] = i
+        forced = forced_route(g, i)
         for kind, keys in _NAMED_GROUP_KEYS.items():
-            chosen = [p for p in params if is_dedicated(p) == (kind == "muon")]
+            chosen = [p for p in params if param_kind(p, forced, i) == kind]
             options = {opt: next(g[k] for k in ks if k in g) for opt, ks in keys.items()
                        if any(k in g for k in ks)}
+            if forced is not None:
+                options["dmuon_route"] = forced
             if chosen:
                 out.append({"params": chosen, **options, "group_name": f"{name}/{kind}"})
     missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in seen]
@@ -71,8 +78,8 @@ def user_groups(params, param_groups=None) -> tuple[list[dict], DedicatedModel]:
         return user_groups(groups)[0], state
     if isinstance(params, nn.Module):
         trainable = [p for p in params.parameters() if p.requires_grad]
-        groups = [{"params": [p for p in trainable if is_dedicated(p)]},
-                  {"params": [p for p in trainable if not is_dedicated(p)]}]
+        groups = [{"params": [p for p in trainable if param_route(p) == "muon"]},
+                  {"params": [p for p in trainable if param_route(p) != "muon"]}]
         return groups, get_state(params)
     groups = list(params)
     if groups and not isinstance(groups[0], dict):
@@ -93,26 +100,66 @@ def split_groups(user_groups: list[dict], muon_defaults: dict, adamw_defaults: d
     dedicated params) and AdamW groups over the rest, each completed by the defaults."""
     muon, adamw = [], []
     for i, g in enumerate(user_groups):
-        options = {k: v for k, v in g.items() if k != "params"}
-        if group_kind(i, g["params"]) == "adamw":
+        forced = forced_route(g, i)
+        options = {k: v for k, v in g.items() if k != "params" and k not in ROUTE_KEYS}
+        params = _owned_or_shards(g["params"], state)
+        if group_kind(i, g["params"], forced) == "adamw":
             adamw.append({**adamw_defaults, **only(options, ADAMW_KEYS, i, "AdamW"),
-                          "params": g["params"]})
+                          "params": params, "dmuon_route": "adamw"})
             continue
         options = only({**muon_defaults, **options}, MUON_KEYS, i, "Muon")
         check_args(options)
-        wanted = {p._dmuon_dedicated for p in g["params"]}
-        masters = [t for fqn, t in state.owned_params.items()
-                   if state.plan.params[fqn].param in wanted]
-        muon.append({**options, "params": masters, "kind": "muon", "use_muon": True})
+        muon.append({**options, "params": params, "kind": "muon", "use_muon": True,
+                     "dmuon_route": "muon"})
     return muon, adamw
 
 
-def group_kind(index: int, params) -> str:
-    kinds = {is_dedicated(p) for p in params}
+def _owned_or_shards(params, state: DedicatedModel) -> list:
+    """What the optimizer steps for ``params``: this rank's masters of the dedicated
+    ones (none where it owns none), the others themselves (FSDP2's shards)."""
+    wanted = {p._dmuon_dedicated for p in params if is_dedicated(p)}
+    masters = [t for fqn, t in state.owned_params.items()
+               if state.plan.params[fqn].param in wanted]
+    return [p for p in params if not is_dedicated(p)] + masters
+
+
+def forced_route(group: dict, index: int) -> str | None:
+    """A user group's explicit route (``dmuon_route``, ``dmuon_optimizer`` or
+    ``matrix_optimizer``), None when it sets none."""
+    given = {k: group[k] for k in ROUTE_KEYS if group.get(k) is not None}
+    if len(set(given.values())) > 1:
+        raise ValueError(f"dmuon.Muon: param group {index} sets different routes {given}")
+    route = next(iter(given.values()), None)
+    if route is not None and route not in ROUTES:
+        raise ValueError(f"dmuon.Muon: param group {index} route {route!r} is not one of "
+                         f"{list(ROUTES)}")
+    return route
+
+
+def param_kind(p, forced: str | None, index: int) -> str:
+    """``"muon"`` or ``"adamw"``: the optimizer that steps ``p``, by its route from
+    ``dedicate_params`` unless its group forces one. A group cannot move a param between
+    an owner and FSDP2's shards: that storage was laid out by ``dedicate_params``."""
+    route = param_route(p)
+    if forced is None or forced == route:
+        return "muon" if route == "muon" else "adamw"
+    where = f"dmuon.Muon: param group {index} forces dmuon_route={forced!r} on "
+    if forced == "sharded_adamw" and is_dedicated(p):
+        raise ValueError(where + f"'{p._dmuon_dedicated}', which dedicate_params gave an owner;"
+                         " route it to 'sharded_adamw' in dedicate_params(param_policy=...)")
+    if forced == "muon" and (not is_dedicated(p) or p.ndim not in (2, 3)):
+        raise ValueError(where + "a param that is not a dedicated matrix (FSDP2's, or not "
+                         "2-D/3-D); route it to 'muon' in dedicate_params(param_policy=...)")
+    return "muon" if forced == "muon" else "adamw"
+
+
+def group_kind(index: int, params, forced: str | None = None) -> str:
+    kinds = {param_kind(p, forced, index) for p in params}
     if len(kinds) > 1:
         raise ValueError(f"dmuon.Muon: param group {index} mixes dedicated (Muon) params "
-                         "with others (AdamW); put them in separate groups")
-    return "muon" if kinds == {True} else "adamw"
+                         "with others (AdamW: FSDP2's, or routed to 'adamw'); put them in "
+                         "separate groups")
+    return kinds.pop() if kinds else "adamw"
 
 
 def only(options: dict, allowed, index: int, kind: str) -> dict:
@@ -143,5 +190,5 @@ def check_args(o: dict) -> None:
         raise ValueError(
             f"dmuon.Muon: adjust_lr_fn={o['adjust_lr_fn']!r} is not one of {list(ADJUST_LR_FNS)}"
         )
-    o["ns_backend"] = check_backend(o["ns_backend"])
+    o.update(group_options(o["ns_backend"]))  # a NewtonSchulz sets its schedule too
     coefficient_schedule(o["ns_coefficients"], o["ns_steps"])

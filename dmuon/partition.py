@@ -39,13 +39,13 @@ class Assignment:
     param: str = ""  # the parameter's FQN (== fqn unless this is a slice of experts)
     experts: tuple[int, int] | None = None  # [lo, hi) of a 3-D (experts, out, in) param
     ep: int | None = None  # expert parallelism: the EP coordinate whose ranks hold it
+    route: str = "muon"  # or "adamw": stepped by AdamW on its owner (``dmuon.routing``)
 
 
 @dataclass
 class DedicationPlan(Mapping):
-    """The result of the global LPT partition, identical on every rank.
-
-    Once ``dedicate_params`` has bound it to the model, it is also a read-only mapping
+    """The result of the global LPT partition, identical on every rank. Once
+    ``dedicate_params`` has bound it to the model, it is also a read-only mapping
     from each dedicated ``nn.Parameter`` to its owner's global rank (the reference's
     return value; a 3-D param sliced over several owners maps to the tuple of them)."""
 
@@ -161,6 +161,7 @@ class DedicationPlan(Mapping):
                     "param": a.param,
                     "experts": list(a.experts) if a.experts else None,
                     "ep": a.ep,
+                    "route": a.route,
                 }
                 for a in self.params.values()
             },
@@ -178,7 +179,7 @@ class DedicationPlan(Mapping):
                 owner=int(a["owner"]), owner_coord=tuple(a["owner_coord"]),
                 numel=int(a["numel"]), ns_flops=int(a["ns_flops"]), tp=a.get("tp"),
                 param=a.get("param") or unit, experts=tuple(experts) if experts else None,
-                ep=a.get("ep"))
+                ep=a.get("ep"), route=a.get("route", "muon"))
         return plan
 
     def table(self) -> str:
@@ -204,15 +205,15 @@ class DedicationPlan(Mapping):
         return "\n".join(lines)
 
 
-def select_params(model: nn.Module, predicate) -> list[tuple[str, nn.Parameter]]:
-    """The Muon-target params in registration order. A non-matrix tensor the predicate
-    selects (a bias or a norm caught by ``"proj" in n``) is left to AdamW, as the
-    reference does, with one warning that names every such param."""
+def select_params(model: nn.Module, predicate, owner_adamw=frozenset()) -> list[tuple]:
+    """The dedicated params in registration order. A non-matrix tensor the predicate
+    selects (a norm caught by ``"proj" in n``) is left to AdamW with one warning naming
+    them all, as the reference does, unless routed to its owner (``owner_adamw``)."""
     selected, left = [], []
     for name, param in model.named_parameters():
         if not predicate(name, param):
             continue
-        if param.ndim in (2, 3):
+        if param.ndim in (2, 3) or name in owner_adamw:
             selected.append((name, param))
         else:
             left.append(f"'{name}' {tuple(param.shape)}")
@@ -363,16 +364,16 @@ def plan_from_shapes(
     ns_steps: int = 5,
     ep_params=(),
     ep_size: int = 1,
-) -> DedicationPlan:
-    """Plan from (fqn, shape, boundary) triples in registration order (``ep_params``:
-    the expert-parallel 3-D params, their shapes the whole layer's)."""
+    owner_adamw=frozenset()) -> DedicationPlan:
+    """Plan from (fqn, shape, boundary) triples in registration order (``ep_params``: the
+    expert-parallel 3-D params, whole layer's shapes; ``owner_adamw``: no NS FLOPs)."""
     if shard_size < 1 or replicate_size < 1:
         raise ValueError(f"shard_size={shard_size}, replicate_size={replicate_size} must be >= 1")
     check_ep({e[0]: e[1] for e in entries}, ep_params, shard_size, ep_size)
     slots = shard_size * replicate_size
     units = plan_units(entries, slots, ep_params, ep_size)
     numels = {u[0]: _numel(u[1]) for u in units}
-    flops = {u[0]: ns_flops(u[1], ns_steps) for u in units}
+    flops = {u[0]: 0 if u[3] in owner_adamw else ns_flops(u[1], ns_steps) for u in units}
     allowed = {u[0]: ep_slots(shard_size, replicate_size, ep_size, u[5])
                for u in units if u[5] is not None}
     owners = lpt_assign([(u[0], flops[u[0]], numels[u[0]], u[2]) for u in units], slots,
@@ -385,6 +386,7 @@ def plan_from_shapes(
             fqn=unit, shape=tuple(shape), boundary=boundary, owner=slot,
             owner_coord=(slot // shard_size, slot % shard_size), numel=numels[unit],
             ns_flops=flops[unit], param=fqn, experts=experts, ep=ep,
+            route="adamw" if fqn in owner_adamw else "muon",
         )
     return plan
 
@@ -396,15 +398,17 @@ def whole_shape(p) -> tuple[int, ...]:
 
 
 def model_entries(model: nn.Module, predicate, hook_boundary_predicate=None,
-                  hook_boundary_strict: bool = True) -> list[tuple[str, tuple, str]]:
-    """(fqn, shape, hook boundary) of each Muon-target param, in registration order (an
-    expert-parallel param with the whole layer's shape)."""
+                  hook_boundary_strict: bool = True, owner_adamw=frozenset(),
+                  allow_empty: bool = False) -> list[tuple]:
+    """(fqn, shape, hook boundary) of each dedicated param, in registration order (an
+    expert-parallel param with the whole layer's shape). None is an error (a predicate
+    that matches nothing) unless ``allow_empty``: a pipeline stage may hold no matrix."""
     entries = [
         (name, whole_shape(p), resolve_boundary(model, name, hook_boundary_predicate,
                                                   hook_boundary_strict))
-        for name, p in select_params(model, predicate)
+        for name, p in select_params(model, predicate, owner_adamw)
     ]
-    if not entries:
+    if not entries and not allow_empty:
         raise ValueError("predicate selected no parameters for DMuon")
     return entries
 

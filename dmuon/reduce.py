@@ -60,6 +60,7 @@ class GradientReduce:
         self.backward_open = False  # a backward ran since the last flush
         self._backward_syncs = True  # `sync` as it was when that backward began
         self._finished = True  # no gradient arrived since the last step closed
+        self.step_divisor = 1  # a pipeline's micro-batch count (divide_at_landing)
 
     def begin_backward(self) -> None:
         if self._finished:  # the first backward since the last step: a new step's flags
@@ -145,6 +146,11 @@ class GradientReduce:
             item.owned = comm.Pending(work, item.column_out, item.owned_out, issued=issued)
 
     # -- at the step -----------------------------------------------------------------
+    def divide_at_landing(self, factor: int) -> None:
+        """This step's gradients land divided by ``factor`` too (a pipeline schedule's
+        micro-batch count: its loss is each micro-batch's mean)."""
+        self.step_divisor = factor
+
     def prepare_step(self, fsdp2_nonfinite: torch.Tensor | None = None) -> None:
         """The backward is over: every reduce issued, and the step's agreement on its
         way, with whether FSDP2's reduced shards here hold a non-finite value."""
@@ -167,6 +173,7 @@ class GradientReduce:
         for item in items:
             item.column.wait()
             _, after = divide_factors(world, item.column_out.dtype)
+            after *= self.step_divisor
             if self.ctx.replicate_size == 1:
                 b.grads.land(item.column_out, after)
             elif item.owned is not None:
@@ -199,4 +206,4 @@ class GradientReduce:
         # the flagged ranks outlive the landing: clipping lands the gradients before the
         # step that decides on them; the next step's first backward clears them
         self.agreement.close(touched=not self._finished)
-        self._finished = True
+        self._finished, self.step_divisor = True, 1

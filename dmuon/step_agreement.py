@@ -92,6 +92,11 @@ class StepAgreement:
                 (["fsdp2"] if flags[-1] else [])
         return self._present
 
+    def add_nonfinite(self, names: list) -> None:
+        """Ranks outside this layout whose gradients were not finite (a pipeline's other
+        stages): this step is skipped here too."""
+        self.nonfinite = (self.nonfinite or []) + list(names)
+
     def close(self, touched: bool) -> None:
         """The step is over; ``touched``: some gradient was noted since the last close."""
         if touched:

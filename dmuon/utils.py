@@ -10,8 +10,12 @@ from .model_state import (
     wait_all_reduces,
     wait_all_replicate_broadcasts,
 )
+from .post_step import broadcast_all_updates, broadcast_all_updates_async, prepare_muon_grads
 
 __all__ = [
+    "broadcast_all_updates",
+    "broadcast_all_updates_async",
+    "prepare_muon_grads",
     "get_dedicated_params",
     "get_owned_params",
     "wait_all_post_step_broadcasts",

@@ -235,3 +235,28 @@ def build_model(config: str | ModelConfig, *, device: str | torch.device | None 
         seed = int(torch.randint(0, 2**62, ()).item())
     dmuon.init_weights(model, seed=seed, init_fn=init_builtin)
     return model
+
+
+class OneMatrix(nn.Module):
+    """One 16 x 16 matrix as ``layers.0``: the smallest model with a hook boundary."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(16, 16, bias=False)])
+
+    def forward(self, x):
+        return self.layers[0](x)
+
+
+def dedicated_fp16_matrix(world: int) -> OneMatrix:
+    """``OneMatrix`` dedicated over ``world`` ranks with fp16 params and fp16 reduces."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    model = OneMatrix()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2, mp_policy=policy)
+    return model

@@ -98,14 +98,15 @@ def step_per_expert(opts, slices) -> None:
             p[e].copy_(leaf)
 
 
-def reference_train(model, opts, batches, loss=None) -> tuple[dict, list[float]]:
+def reference_train(model, opts, batches, loss=None,
+                    ns=fp64_newton_schulz) -> tuple[dict, list[float]]:
     """Train ``model`` in one process with ``opts`` (each under the tests' LR schedule),
-    Newton-Schulz in float64; returns its final state dict and the losses.
+    Newton-Schulz in float64 (``ns``); returns its final state dict and the losses.
     ``loss(model, batch)``: the built-in model's next-token loss unless given."""
     loss = loss or loss_of
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lr_lambda) for o in opts]
     losses = []
-    with reference_ns():
+    with reference_ns(ns):
         for batch in batches:
             value = loss(model, batch)
             value.backward()
@@ -119,13 +120,14 @@ def reference_train(model, opts, batches, loss=None) -> tuple[dict, list[float]]
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny"):
+def reference_run(steps: int, adjust_lr_fn=None, batches=None, config="tiny",
+                  ns=fp64_newton_schulz):
     """Single process, whole global batch: torch.optim.Muon with a float64 NS + AdamW."""
     model = build_model(get_config(config), dtype=torch.float64, seed=0)
     opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],
                                 [p for n, p in model.named_parameters()
                                  if not muon_predicate(n, p)], adjust_lr_fn)
-    return reference_train(model, opts, batches or global_batches(steps))
+    return reference_train(model, opts, batches or global_batches(steps), ns=ns)
 
 
 def build_dmuon(mesh, z3: bool, *, replicate_mesh=None, fsdp_mesh=None, config="tiny",

@@ -396,8 +396,8 @@ def test_prometheus_exports_the_newest_step_of_running_jobs(tmp_path):
     store = JobStore(f"sqlite:///{tmp_path}/db.sqlite")
     try:
         job_id = store.create_job("p", {"name": "p"}, dry_run=False, plan={})[0]["id"]
-        store.claim_next(1, "h")
-        assert store.mark_submitted(job_id)  # RUNNING
+        store.queue.claim_next(1, "h")
+        assert store.queue.mark_submitted(job_id)  # RUNNING
         records = [StepRecord(job_id=job_id, step=step, rank=rank, loss=3.0 - step,
                               tokens_per_s=100.0 + rank, tokens_per_s_total=410.0,
                               mfu=0.25, grad_norm=1.5, lr={"muon": 0.02 * step,

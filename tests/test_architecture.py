@@ -458,3 +458,58 @@ def test_no_block_of_six_lines_is_repeated():
             if seen != here and not _near(seen, here):
                 repeats.append(f"{where}:{here[1]} repeats {seen[0]}:{seen[1]}")
     assert not repeats, "\n".join(repeats)
+
+
+# "about 150": the cap of issue 51, with the slack of a docstring paragraph
+CLASS_LIMIT = 160
+
+
+def test_no_class_grows_past_about_150_lines():
+    """The function caps pushed length into classes (Muon held three param-group
+    dialects, the NS schedule, NorMuon and QK-clip): a class is one concern too."""
+    too_long = []
+    for path in modules().values():
+        tree = ast.parse(open(path).read())
+        too_long += [f"{os.path.relpath(path, ROOT)}:{node.lineno} {node.name}: "
+                     f"{node.end_lineno - node.lineno + 1} lines"
+                     for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+                     and node.end_lineno - node.lineno + 1 > CLASS_LIMIT]
+    assert not too_long, "\n".join(too_long)
+
+
+def _writes_into_state(tree) -> list[int]:
+    """Lines that assign an attribute of a DedicatedModel held as ``state``,
+    ``self._state`` or ``get_state(...)``, or ``setattr`` on one."""
+    def is_state(node) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "state") or \
+            (isinstance(node, ast.Attribute) and node.attr == "_state") or \
+            (isinstance(node, ast.Call) and getattr(node.func, "attr",
+                                                    getattr(node.func, "id", "")) == "get_state")
+
+    lines = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else []
+        for t in targets:
+            for leaf in ast.walk(t):
+                if isinstance(leaf, ast.Attribute) and is_state(leaf.value):
+                    lines.append(node.lineno)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr" \
+                and node.args and is_state(node.args[0]):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_nothing_assigns_into_the_dedicated_model_from_another_module():
+    """``DedicatedModel`` is built in one constructor; other modules ask it or call its
+    methods (tests, whose hooks live in tests/, aside)."""
+    found = [f"{os.path.relpath(path, ROOT)}:{line}" for mod, path in modules().items()
+             if mod != "dmuon.model_state" for line in _writes_into_state(
+                 ast.parse(open(path).read()))]
+    assert found == []
+
+
+def test_the_state_write_check_catches_one():
+    planted = ast.parse("state.reduce = None\nself._state.needs_init = False\n"
+                        "setattr(state, 'x', 1)\nget_state(m).flag = 1\nother.x = 1\n")
+    assert _writes_into_state(planted) == [1, 2, 3, 4]

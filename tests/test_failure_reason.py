@@ -244,7 +244,7 @@ def test_a_database_at_0001_gains_the_reason_column(tmp_path):
     try:
         assert store.get_job("old")["reason"] is None
         job, _ = store.create_job("n", {}, dry_run=False, plan=None)
-        store.settle(job["id"], "FAILED", "\x1b[31mred\x1b[0m tail",
+        store.queue.settle(job["id"], "FAILED", "\x1b[31mred\x1b[0m tail",
                      {"type": "ValueError", "message": "x"})
         settled = store.get_job(job["id"])
         assert settled["reason"] == {"type": "ValueError", "message": "x"}

@@ -274,3 +274,16 @@ def test_plan_on_hypothetical_gpu_nodes_needs_no_service(tmp_path, capsys, monke
     assert lines[0] == "layout 8 x 8 (replicate x shard) on 8 nodes: 64 GPU workers"
     assert lines[1] == "planned on 8 assumed nodes of 8 GPUs (given on the command line)"
     assert "of 141.00 GB" in lines[3]
+
+
+def test_planner_cli_counts_dmuons_process_groups_per_rank():
+    """2 on a shard group, 4 with a replicate group, 7 with HSDP and EP: the formula the
+    core test (``test_every_group_dmuon_makes_is_warmed_at_set_up_in_one_order``)
+    checks against the groups each rank made; 544 MiB each: 4 x 544 x 2^20 B = 2.3 GB,
+    7 x = 4.0 GB."""
+    proc = _plan_cli("--model", "llama3-8b", "--nodes", "2")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DMuon process groups"))
+    assert line.startswith("DMuon process groups per rank: 4 (about 2.3 GB"), line
+    proc = _plan_cli("--model", "small-moe", "--nodes", "2", "--ep", "8")
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DMuon process groups"))
+    assert line.startswith("DMuon process groups per rank: 7 (about 4.0 GB"), line

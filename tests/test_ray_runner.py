@@ -425,8 +425,8 @@ def _job(store, name="j"):
 def test_runner_goes_on_past_a_job_ray_forgot_and_one_it_already_has(runner):
     store = runner.store
     forgotten = _job(store, "forgotten")  # RUNNING in the store; Ray has no such job
-    store.claim_next(3, "h")
-    assert store.mark_submitted(forgotten)
+    store.queue.claim_next(3, "h")
+    assert store.queue.mark_submitted(forgotten)
     # the service was killed between submit_job and storing RUNNING: Ray has it already
     resubmitted = _job(store, "resubmitted")
     runner.client.submit_job(entrypoint=" ".join(SLEEPER[:2]) + " 'import time; "
@@ -448,7 +448,7 @@ def test_cancel_while_the_runner_submits_stops_the_job_on_ray(runner):
     store says STOPPED, and so, once the runner has reconciled, does Ray."""
     store = runner.store
     job_id = _job(store)
-    claimed = store.claim_next(3, "h")
+    claimed = store.queue.claim_next(3, "h")
     assert claimed["id"] == job_id
     job, on_ray = store.cancel(job_id)
     assert job["status"] == "STOPPED" and on_ray
@@ -457,7 +457,7 @@ def test_cancel_while_the_runner_submits_stops_the_job_on_ray(runner):
     runner.sync()
     assert _ray_status(runner, job_id, {"STOPPED", "FAILED"}) == "STOPPED"
     runner.sync()
-    assert store.get_job(job_id)["status"] == "STOPPED" and store.on_ray() == []
+    assert store.get_job(job_id)["status"] == "STOPPED" and store.queue.on_ray() == []
 
 
 def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeypatch):
@@ -474,7 +474,9 @@ def test_entrypoint_command_is_quoted_and_carries_no_admin_token(runner, monkeyp
     token_file = argv[argv.index("--token-file") + 1]
     assert open(token_file).read() == "job-token" and os.stat(token_file).st_mode & 0o777 == 0o600
     assert "the-admin-token" not in " ".join(argv)
-    assert "DMUON_API_TOKEN" not in runner_module.FORWARDED_ENV
+    from service.control.ray_entrypoint import FORWARDED_ENV
+
+    assert "DMUON_API_TOKEN" not in FORWARDED_ENV
 
 
 def test_a_cancelled_jobs_kept_steps_reach_its_metrics(runner):
@@ -503,8 +505,8 @@ def test_a_cancelled_jobs_kept_steps_reach_its_metrics(runner):
     runner.stop_quietly(job_id)
     assert _ray_status(runner, job_id, {"STOPPED"}) == "STOPPED"
     runner.sync()
-    assert store.on_ray() == []  # settled
-    got = {(m["step"], m["rank"]): m["loss"] for m in store.metrics(job_id)}
+    assert store.queue.on_ray() == []  # settled
+    got = {(m["step"], m["rank"]): m["loss"] for m in store.records.all(job_id)}
     assert got == {(2, 0): 9.5, **{(r["step"], r["rank"]): r["loss"] for r in kept[1:]}}
 
 
@@ -518,13 +520,14 @@ def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
     every step from 1 to the last one both ranks ran, each rank's; the MLflow run is
     KILLED with an end time and the W&B run has its exit record, each read back with
     its own tool; the job's log holds no traceback."""
+    from service.control import ray_entrypoint
     from service.control import submitter as runner_module
     from service.control.store import JobStore
     from service.job.plan.make import plan_document
     from service.worker.checkpoints import committed
 
-    monkeypatch.setattr(runner_module, "JOB_ENV", {
-        **runner_module.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})
+    monkeypatch.setattr(ray_entrypoint, "JOB_ENV", {
+        **ray_entrypoint.JOB_ENV, "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "3"})
     spec = {"name": "stopped", "model": "tiny", "steps": 40, "batch_size": 4,
             "seq_len": 32, "layout": {"replicate": 1, "shard": 2},
             "checkpoint": {"interval": 4}, "data": {"val_every": 0},
@@ -552,11 +555,11 @@ def test_a_cancelled_job_ends_its_tracking_runs_and_keeps_every_step(
     finally:
         neighbour.stop()
         store.close()
-    assert store.get_job(job_id)["status"] == "STOPPED" and not store.on_ray()
+    assert store.get_job(job_id)["status"] == "STOPPED" and not store.queue.on_ray()
     newest = os.path.basename(committed(os.path.join(job_dir, "dcp"))[-1])
     assert newest == "step_000004", newest  # stopped between two checkpoints
     ranks: dict[int, list[int]] = {}
-    for m in store.metrics(job_id):
+    for m in store.records.all(job_id):
         ranks.setdefault(m["step"], []).append(m["rank"])
     last = max(ranks)
     assert sorted(ranks) == list(range(1, last + 1)), sorted(ranks)  # no hole

@@ -96,10 +96,10 @@ def test_malformed_spool_line_loses_only_itself(tmp_path):
         spool = tmp_path / "metrics.jsonl"
         spool.write_text("\n".join(lines) + "\n" + '{"job_id": "' + job["id"])
         stored, problems = read_spool(store, job["id"], str(spool), 0)
-        assert stored == 2 and [m["step"] for m in store.metrics(job["id"])] == [1, 3]
+        assert stored == 2 and [m["step"] for m in store.records.all(job["id"])] == [1, 3]
         assert len(problems) == 2 and "line 2" in problems[0] and "step" in problems[1]
         offset = sum(len(line) + 1 for line in lines)
-        assert store.on_ray() == [] and _offset(store, job["id"]) == offset
+        assert store.queue.on_ray() == [] and _offset(store, job["id"]) == offset
         with open(spool, "a") as fh:  # the half-written last line completes
             fh.write('", "step": 5, "rank": 0}\n')
         assert read_spool(store, job["id"], str(spool), offset) == (1, [])

@@ -70,7 +70,7 @@ def check(request: Request, access: str) -> None:
         return
     job_id = request.path_params.get("job_id", "")
     if access == "job" and presented and re.match(JOB_ID, job_id):
-        stored = request.app.state.store.job_token_hash(job_id)
+        stored = request.app.state.store.queue.job_token_hash(job_id)
         if stored and _same(token_hash(presented), stored):
             return
     if expected or access == "job":

@@ -14,6 +14,7 @@ A service that shuts down (Ctrl-C, SIGTERM) stops its head unless told to keep i
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass
 
@@ -41,6 +43,30 @@ def inventory_from_dashboard(address: str, timeout_s: float = 5) -> list[NodeInf
             for n in list_nodes(address=address, detail=True, timeout=int(timeout_s),
                                 raise_on_missing_output=False)
             if n.state == "ALIVE"]
+
+
+class CachedInventory:
+    """The cluster's alive nodes, read at most every ``ttl_s`` (submissions come in
+    bursts); [] while the cluster cannot be read."""
+
+    def __init__(self, address: str, ttl_s: float, log):
+        self.address, self.ttl_s, self._log = address, ttl_s, log
+        self._read: tuple[float, list[NodeInfo]] = (-math.inf, [])
+        self._lock = threading.Lock()
+
+    def nodes(self) -> list[NodeInfo]:
+        with self._lock:
+            read_at, nodes = self._read
+            if time.monotonic() - read_at > self.ttl_s:
+                try:
+                    nodes = inventory_from_dashboard(self.address)
+                    # none yet (a new head registers its node within a second): ask again
+                    read_at = time.monotonic() if nodes else -math.inf
+                except Exception as e:  # noqa: BLE001 - Ray raises several kinds
+                    self._log(f"cannot read the cluster's nodes: {e}")
+                    nodes, read_at = [], time.monotonic()
+                self._read = (read_at, nodes)
+            return nodes
 
 
 def free_port() -> int:

@@ -107,7 +107,7 @@ def ingest(store: JobStore, job_id: str, records: list[StepRecord], source: str)
     """Into the store: posts and the ranks' own records (``source`` ``post``, ``rank``:
     at most 8 characters) never replace a record, the job's spool corrects one."""
     rows = [(r.step, r.rank, r.canonical()) for r in records]
-    return store.add_metrics(job_id, rows, source, authoritative=source == "spool")
+    return store.records.add(job_id, rows, source, authoritative=source == "spool")
 
 
 def read_spool(store: JobStore, job_id: str, path: str, offset: int) -> tuple[int, list[str]]:
@@ -131,7 +131,7 @@ def read_spool(store: JobStore, job_id: str, path: str, offset: int) -> tuple[in
             problems.append(f"{path}: line {number + 1} after byte {offset}: {_reason(e)}")
     stored = ingest(store, job_id, [r for r in records if r.job_id == job_id], "spool")
     if complete:
-        store.advance_spool(job_id, offset + len(complete))
+        store.queue.advance_spool(job_id, offset + len(complete))
     return stored, problems
 
 

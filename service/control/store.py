@@ -12,18 +12,17 @@ import json
 import time
 import uuid
 
-from sqlalchemy import Engine, and_, create_engine, delete, event, func, insert, select, update
+from sqlalchemy import Engine, create_engine, event, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import DBAPIError
 
-from service.job.failure import strip_ansi
-
+from .metric_rows import MetricRows, last_validation
 from .migrate import upgrade
-from .sql_tables import CLAIMED, SETTLED, STATES, SUBMITTED, TERMINAL, jobs, locks, metrics
+from .ray_queue import ON_RAY, RayQueue
+from .sql_tables import STATES, SUBMITTED, jobs, locks, metrics
 from .sql_tables import status_history as history_table
-
-ON_RAY = (CLAIMED, SUBMITTED)
+from .status_moves import move_status
 
 
 class StoreError(RuntimeError):
@@ -90,19 +89,10 @@ def _last_losses(conn, job_id: str) -> dict | None:
     numbers = [v for v in losses if isinstance(v, (int, float))]
     out = {"step": step, "loss": sum(numbers) / len(numbers)
            if numbers and len(numbers) == len(losses) else None}
-    record = _last_validation(conn, job_id)
+    record = last_validation(conn, job_id)
     if record is not None:
         out.update(val_step=record["step"], val_loss=record.get("val_loss"))
     return out
-
-
-def _last_validation(conn, job_id: str) -> dict | None:
-    """Rank 0's newest record stored with a validation loss (a number, not null)."""
-    m = metrics.c
-    text = conn.execute(select(m.record).where(
-        m.job_id == job_id, m.rank == 0, m.record.like('%"val_loss": %'),
-        m.record.not_like('%"val_loss": null%')).order_by(m.step.desc()).limit(1)).scalar()
-    return json.loads(text) if text is not None else None
 
 
 class JobStore:
@@ -119,6 +109,8 @@ class JobStore:
             self.close()
             raise StoreError(f"cannot use the job store {self.display_url()}: "
                              f"{e.orig or e}") from None
+        self.records = MetricRows(self.reader, self.writer, self._insert)
+        self.queue = RayQueue(self)
 
     def display_url(self) -> str:
         return self.reader.url.render_as_string(hide_password=True)
@@ -222,28 +214,11 @@ class JobStore:
             return {**dict.fromkeys(STATES, 0), **{s: n for s, n in rows}}
 
     # -- status changes (compare-and-set) --------------------------------------------------
-    def _move(self, conn, job_id: str, status: str, message: str | None, *extra,
-              reason: dict | None = None) -> bool:
-        """``status`` unless the job is terminal (or already there); True if it moved.
-        Terminal escape codes (Ray colours its logs) never reach the store."""
-        now, message = time.time(), strip_ansi(message)
-        values = {"status": status, "message": message, "updated": now}
-        if reason is not None:
-            values["reason"] = json.dumps(reason)
-        moved = conn.execute(
-            update(jobs).where(jobs.c.id == job_id, jobs.c.status.not_in(TERMINAL),
-                               jobs.c.status != status, *extra)
-            .values(**values)).rowcount == 1
-        if moved:
-            conn.execute(insert(history_table).values(job_id=job_id, status=status, time=now,
-                                                      message=message))
-        return moved
-
     def set_status(self, job_id: str, status: str, message: str | None = None) -> bool:
         if status not in STATES:
             raise ValueError(f"unknown status {status!r}")
         with self.writer.begin() as conn:
-            return self._move(conn, job_id, status, message)
+            return move_status(conn, job_id, status, message)
 
     def cancel(self, job_id: str) -> tuple[dict | None, bool]:
         """(job, on_ray): the job STOPPED unless it had ended; ``on_ray`` when Ray may
@@ -256,133 +231,8 @@ class JobStore:
             row = conn.execute(query).first()
             if row is None:
                 return None, False
-            self._move(conn, job_id, "STOPPED", "cancelled")
+            move_status(conn, job_id, "STOPPED", "cancelled")
         return self.get_job(job_id), row.ray in ON_RAY
-
-    # -- the queue ---------------------------------------------------------------------------
-    def claim_next(self, max_running: int, token_hash: str) -> dict | None:
-        """The oldest queued job, claimed for submission, if fewer than ``max_running``
-        jobs are on Ray; the queue row's lock makes the count and the claim atomic."""
-        with self.writer.begin() as conn:
-            conn.execute(update(locks).where(locks.c.name == "queue").values(n=locks.c.n + 1))
-            busy = conn.execute(select(func.count()).select_from(jobs)
-                                .where(jobs.c.ray.in_(ON_RAY))).scalar_one()
-            if busy >= max_running:
-                return None
-            job_id = conn.execute(
-                select(jobs.c.id).where(jobs.c.status == "PENDING", jobs.c.ray.is_(None),
-                                        jobs.c.dry_run.is_(False))
-                .order_by(jobs.c.created).limit(1)).scalar()
-            if job_id is None:
-                return None
-            conn.execute(update(jobs).where(jobs.c.id == job_id).values(
-                ray=CLAIMED, claimed_at=time.time(), job_token_hash=token_hash))
-        return self.get_job(job_id)
-
-    def mark_submitted(self, job_id: str) -> bool:
-        """PENDING (claimed) -> RUNNING once Ray has the job; False if it was cancelled
-        meanwhile (the job must then be stopped on Ray)."""
-        with self.writer.begin() as conn:
-            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.ray == CLAIMED)
-                         .values(ray=SUBMITTED))
-            return self._move(conn, job_id, "RUNNING", None, jobs.c.status == "PENDING")
-
-    def release_claim(self, job_id: str) -> None:
-        """Back to the queue: a claim whose submission never reached Ray."""
-        with self.writer.begin() as conn:
-            conn.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.ray == CLAIMED)
-                         .values(ray=None, claimed_at=None))
-
-    def settle(self, job_id: str, status: str, message: str | None,
-               reason: dict | None = None) -> None:
-        """Ray says the job ended: record its final status, with why it failed when that
-        is known (unless the store already had one, such as STOPPED), and stop watching
-        it."""
-        with self.writer.begin() as conn:
-            conn.execute(update(jobs).where(jobs.c.id == job_id).values(ray=SETTLED))
-            self._move(conn, job_id, status, message, reason=reason)
-
-    def on_ray(self) -> list[dict]:
-        """Jobs claimed or submitted and not yet settled: what the runner reconciles."""
-        with self.reader.connect() as conn:
-            rows = conn.execute(select(jobs.c.id, jobs.c.status, jobs.c.ray,
-                                       jobs.c.claimed_at, jobs.c.spool_offset)
-                                .where(jobs.c.ray.in_(ON_RAY))).all()
-        return [dict(r._mapping) for r in rows]
-
-    def job_token_hash(self, job_id: str) -> str | None:
-        with self.reader.connect() as conn:
-            return conn.execute(select(jobs.c.job_token_hash)
-                                .where(jobs.c.id == job_id)).scalar()
-
-    def advance_spool(self, job_id: str, offset: int) -> None:
-        with self.writer.begin() as conn:
-            conn.execute(update(jobs).where(jobs.c.id == job_id,
-                                            jobs.c.spool_offset < offset)
-                         .values(spool_offset=offset))
-
-    # -- metrics -----------------------------------------------------------------------------
-    def add_metrics(self, job_id: str, records: list[tuple[int, int, str]], source: str,
-                    authoritative: bool) -> int:
-        """Store (step, rank, canonical JSON) records; returns how many were new or
-        corrected. A post never replaces a stored record; the job's own spool
-        (``authoritative``) replaces one that differs, so nothing posted can hide it."""
-        if not records:
-            return 0
-        now, steps = time.time(), [s for s, _, _ in records]
-        with self.writer.begin() as conn:
-            stored = {(s, r): text for s, r, text in conn.execute(
-                select(metrics.c.step, metrics.c.rank, metrics.c.record).where(
-                    metrics.c.job_id == job_id, metrics.c.step.between(min(steps),
-                                                                         max(steps))))}
-            fresh = [(s, r, t) for s, r, t in records if (s, r) not in stored]
-            wrong = [(s, r, t) for s, r, t in records
-                     if authoritative and stored.get((s, r), t) != t]
-            for s, r, _ in wrong:
-                conn.execute(delete(metrics).where(and_(
-                    metrics.c.job_id == job_id, metrics.c.step == s, metrics.c.rank == r)))
-            rows = [{"job_id": job_id, "step": s, "rank": r, "record": t, "received": now,
-                     "source": source} for s, r, t in fresh + wrong]
-            if not rows:
-                return 0
-            stmt = self._insert(metrics).on_conflict_do_nothing(
-                index_elements=["job_id", "step", "rank"]).returning(metrics.c.id)
-            return len(conn.execute(stmt, rows).all())
-
-    def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
-        with self.reader.connect() as conn:
-            rows = conn.execute(
-                select(metrics.c.record, metrics.c.received)
-                .where(metrics.c.job_id == job_id, metrics.c.step > after_step)
-                .order_by(metrics.c.step, metrics.c.rank)).all()
-        return [{**json.loads(text), "received": received} for text, received in rows]
-
-    def latest_records(self, job_id: str) -> list[dict]:
-        """Every rank's record of the job's newest step ([] before its first)."""
-        with self.reader.connect() as conn:
-            step = conn.execute(select(func.max(metrics.c.step))
-                                .where(metrics.c.job_id == job_id)).scalar()
-            if step is None:
-                return []
-            rows = conn.execute(select(metrics.c.record).where(
-                metrics.c.job_id == job_id, metrics.c.step == step)
-                .order_by(metrics.c.rank)).all()
-        return [json.loads(text) for (text,) in rows]
-
-    def last_validation(self, job_id: str) -> dict | None:
-        """Rank 0's newest record with a validation loss, or None."""
-        with self.reader.connect() as conn:
-            return _last_validation(conn, job_id)
-
-    def metrics_after(self, job_id: str, cursor: int, limit: int = 1000):
-        """(id, record) in arrival order after ``cursor``: an event stream's position,
-        which no late rank of an earlier step can slip past."""
-        with self.reader.connect() as conn:
-            rows = conn.execute(
-                select(metrics.c.id, metrics.c.record, metrics.c.received)
-                .where(metrics.c.job_id == job_id, metrics.c.id > cursor)
-                .order_by(metrics.c.id).limit(limit)).all()
-        return [(i, {**json.loads(text), "received": received}) for i, text, received in rows]
 
     def failure(self, job_id: str) -> tuple[dict | None, str | None]:
         """(reason, message) of a job: why it failed, when that is known."""

@@ -8,23 +8,21 @@ room; one job's failure is logged and never stops the others.
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import os
 import secrets
-import shlex
 import sys
 import threading
 import time
 
 from service.job import failure
-from service.job.inputs.working_dir import PackageError, runtime_working_dir
-from service.job.job_dir import FAILURE, JOB_TOKEN, PLAN, SPEC
+from service.job.inputs.working_dir import PackageError
+from service.job.job_dir import FAILURE
 from service.job.plan.inventory import NodeInfo
 
 from .auth import token_hash
-from .ray_head import inventory_from_dashboard
+from .ray_entrypoint import entrypoint_command, export_command, runtime_env
+from .ray_head import CachedInventory
 from .sql_tables import CLAIMED, TERMINAL
 from .step_records import read_rank_records, read_spool, spool_path
 from .store import JobStore
@@ -32,13 +30,7 @@ from .store import JobStore
 INVENTORY_TTL_S = 10.0
 CLAIM_TIMEOUT_S = 60.0  # a claim this old that Ray never got goes back to the queue
 STOP_ALL_TIMEOUT_S = 45.0  # a shutdown's wait for its jobs (each has 30 s to stop)
-ENTRYPOINT = (sys.executable, "-m", "service.driver.job_driver")
-FORWARDED_ENV = ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")
-# a job's log is a file the CLI and the dashboard read, never a terminal: Ray's process
-# prefixes without colour codes. A cancel (Ray's stop_job) sends SIGTERM, on which the
-# entrypoint aborts the run through Ray Train's controller, ending the trackers' runs;
-# Ray's SIGKILL comes 3 s later by default, too soon for a W&B run to finish
-JOB_ENV = {"RAY_COLOR_PREFIX": "0", "RAY_JOB_STOP_WAIT_TIME_S": "30"}
+ENTRYPOINT = (sys.executable, "-m", "service.driver.job_driver")  # what Ray runs per job
 
 
 # Ray's job SDK logs "WebSocket closed for job ..." at INFO each time a followed log
@@ -59,6 +51,22 @@ def _missing(error: Exception) -> bool:
     return isinstance(error, RuntimeError) and "status code 404" in str(error)
 
 
+def _reported(result: tuple[int, list[str]], what: str) -> int:
+    """How many records were stored; each malformed one reported and skipped."""
+    stored, problems = result
+    for problem in problems:
+        _log(f"skipped {what}: {problem}")
+    return stored
+
+
+def _unknown_to_ray(store: JobStore, job: dict) -> None:
+    if job["ray"] != CLAIMED:
+        store.queue.settle(job["id"], "FAILED", "Ray has no record of this job (the cluster "
+                                                "was replaced or restarted)")
+    elif time.time() - (job["claimed_at"] or 0) > CLAIM_TIMEOUT_S:
+        store.queue.release_claim(job["id"])  # its submitter died before Ray had it
+
+
 def outcome_message(job_id: str, ray_message: str | None, reason: dict | None) -> str | None:
     """The job's message: with a reason, its one line and where the whole log is;
     otherwise Ray's own (its log's tail), without terminal escape codes."""
@@ -77,26 +85,12 @@ class RayJobRunner:
         self.store, self.storage, self.data_root = store, storage, data_root
         self.service_url, self.max_running, self.interval_s = service_url, max_running, interval_s
         self.client, self.ray_address = JobSubmissionClient(ray_address), ray_address
-        self._inventory: tuple[float, list[NodeInfo]] = (-math.inf, [])
-        self._inventory_lock = threading.Lock()
+        self._inventory = CachedInventory(ray_address, INVENTORY_TTL_S, _log)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="dmuon-runner", daemon=True)
 
     def inventory(self) -> list[NodeInfo]:
-        """The cluster's alive nodes, read at most every INVENTORY_TTL_S (submissions come
-        in bursts); [] while the cluster cannot be read."""
-        with self._inventory_lock:
-            read_at, nodes = self._inventory
-            if time.monotonic() - read_at > INVENTORY_TTL_S:
-                try:
-                    nodes = inventory_from_dashboard(self.ray_address)
-                    # none yet (a new head registers its node within a second): ask again
-                    read_at = time.monotonic() if nodes else -math.inf
-                except Exception as e:  # noqa: BLE001 - Ray raises several kinds
-                    _log(f"cannot read the cluster's nodes: {e}")
-                    nodes, read_at = [], time.monotonic()
-                self._inventory = (read_at, nodes)
-            return nodes
+        return self._inventory.nodes()
 
     def start(self) -> None:
         self._thread.start()
@@ -118,7 +112,7 @@ class RayJobRunner:
 
     def sync(self) -> None:
         """Reconcile every job Ray holds, then start queued ones while there is room."""
-        for job in self.store.on_ray():
+        for job in self.store.queue.on_ray():
             self._guarded(f"reconciling {job['id']}", self.reconcile, job)
         while self._guarded("submitting", self.submit_next):
             pass
@@ -131,16 +125,18 @@ class RayJobRunner:
         except RuntimeError as e:
             if not _missing(e):
                 raise
-            self._unknown_to_ray(job)
+            _unknown_to_ray(self.store, job)
             return
-        if job["ray"] == CLAIMED and not self.store.mark_submitted(job_id):
+        if job["ray"] == CLAIMED and not self.store.queue.mark_submitted(job_id):
             self.stop_quietly(job_id)  # its submitter died after Ray had it; cancelled since
         self.ingest_spool(job_id, job["spool_offset"])
         status = str(info.status.value)
         if status in TERMINAL:
             self.ingest_rank_records(job_id)
-            reason = self.failure_reason(job_id) if status == "FAILED" else None
-            self.store.settle(job_id, status, outcome_message(job_id, info.message, reason),
+            # what the first failing rank (or the entrypoint) wrote: type, message, rank
+            reason = failure.sanitized(failure.read_reason(os.path.join(
+                self.storage, job_id, FAILURE))) if status == "FAILED" else None
+            self.store.queue.settle(job_id, status, outcome_message(job_id, info.message, reason),
                               reason)
         elif job["status"] in TERMINAL:
             self.client.stop_job(job_id)  # cancelled in the store, still on Ray: again
@@ -151,7 +147,7 @@ class RayJobRunner:
         ends as a cancel ends it (its trackers' runs KILLED, its last steps kept), not
         killed with the head and found FAILED by the next service. Call after
         ``close``: nothing is submitted meanwhile."""
-        jobs = self.store.on_ray()
+        jobs = self.store.queue.on_ray()
         for job in jobs:
             self.stop_quietly(job["id"])
         deadline = time.monotonic() + timeout_s
@@ -162,84 +158,42 @@ class RayJobRunner:
                 time.sleep(0.5)
             self._guarded(f"reconciling {job['id']}", self.reconcile, job)
 
-    def failure_reason(self, job_id: str) -> dict | None:
-        """What the job's first failing rank (or its entrypoint) wrote: type, message,
-        rank, step, frames; None when nothing did (the entrypoint never ran)."""
-        return failure.sanitized(failure.read_reason(
-            os.path.join(self.storage, job_id, FAILURE)))
-
-    def _unknown_to_ray(self, job: dict) -> None:
-        if job["ray"] != CLAIMED:
-            self.store.settle(job["id"], "FAILED", "Ray has no record of this job (the "
-                                                   "cluster was replaced or restarted)")
-        elif time.time() - (job["claimed_at"] or 0) > CLAIM_TIMEOUT_S:
-            self.store.release_claim(job["id"])  # its submitter died before Ray had it
-
     def submit_next(self) -> bool:
         """Claim the oldest queued job if there is room, and hand it to Ray; False when
         nothing was claimed."""
         token = secrets.token_urlsafe(32)
-        job = self.store.claim_next(self.max_running, token_hash(token))
+        job = self.store.queue.claim_next(self.max_running, token_hash(token))
         if job is None:
             return False
         try:
-            runtime_env = self.runtime_env(job)
+            env = runtime_env(job, self.storage)
         except PackageError as e:  # checked on submission; deleted since
-            self.store.settle(job["id"], "FAILED", str(e))
+            self.store.queue.settle(job["id"], "FAILED", str(e))
             return True
         try:
             self.client.submit_job(entrypoint=self.command(job, token),
-                                   submission_id=job["id"], runtime_env=runtime_env)
+                                   submission_id=job["id"], runtime_env=env)
         except RuntimeError as e:
             if "already exists" not in str(e):
-                self.store.release_claim(job["id"])
+                self.store.queue.release_claim(job["id"])
                 raise
             _log(f"{job['id']} was already on Ray (its submitter stopped before recording it)")
-        if not self.store.mark_submitted(job["id"]):
+        if not self.store.queue.mark_submitted(job["id"]):
             self.stop_quietly(job["id"])  # cancelled while we submitted it
         return True
 
-    def runtime_env(self, job: dict) -> dict:
-        """The job's environment on Ray: forwarded variables, and its working_dir (an
-        uploaded package's directory, which Ray's job API uploads, or a Ray URI)."""
-        env = {"env_vars": {**{k: os.environ[k] for k in FORWARDED_ENV if k in os.environ},
-                            **JOB_ENV}}
-        if job["spec"].get("working_dir"):
-            env["working_dir"] = runtime_working_dir(self.storage, job["spec"]["working_dir"])
-        return env
-
     def command(self, job: dict, token: str) -> str:
-        """The entrypoint's command line (Ray runs it through a shell: every part quoted).
-        The job gets the stored spec and plan, and its own token in a private file."""
-        job_dir = os.path.join(self.storage, job["id"])
-        os.makedirs(job_dir, exist_ok=True)
-        files = {SPEC: job["spec"], PLAN: job["plan"]}
-        for name, data in files.items():
-            with open(os.path.join(job_dir, name), "w") as fh:
-                json.dump(data, fh)
-        token_file = os.path.join(job_dir, JOB_TOKEN)
-        fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(token)
-        return shlex.join([
-            *ENTRYPOINT, "--spec", os.path.join(job_dir, SPEC),
-            "--plan", os.path.join(job_dir, PLAN), "--storage", self.storage,
-            "--data-root", self.data_root, "--job-id", job["id"],
-            "--metrics-url", f"{self.service_url}/v1/jobs/{job['id']}/metrics",
-            "--plan-url", f"{self.service_url}/v1/jobs/{job['id']}/plan",
-            "--token-file", token_file])
+        return entrypoint_command(ENTRYPOINT, job, token, storage=self.storage,
+                                  data_root=self.data_root, service_url=self.service_url)
 
     def submit_export(self, job: dict) -> str:
         """A Ray job that rebuilds the finished job on its stored plan, loads its newest
         checkpoint and exports it (``--export-only``); returns its submission id."""
-        job_dir = os.path.join(self.storage, job["id"])
         submission = f"{job['id']}-export-{secrets.token_hex(4)}"
-        command = shlex.join([
-            *ENTRYPOINT, "--spec", os.path.join(job_dir, SPEC),
-            "--plan", os.path.join(job_dir, PLAN), "--storage", self.storage,
-            "--data-root", self.data_root, "--job-id", job["id"], "--export-only"])
-        self.client.submit_job(entrypoint=command, submission_id=submission,
-                               runtime_env=self.runtime_env(job))
+        self.client.submit_job(
+            entrypoint=export_command(ENTRYPOINT, job, storage=self.storage,
+                                      data_root=self.data_root),
+            submission_id=submission, runtime_env=runtime_env(job, self.storage))
         return submission
 
     def has_job(self, submission_id: str) -> bool:
@@ -258,22 +212,16 @@ class RayJobRunner:
 
     def ingest_spool(self, job_id: str, offset: int) -> int:
         """Records the job spooled that are not stored yet (posts can be lost while the
-        service is down); malformed lines are reported and skipped."""
-        stored, problems = read_spool(self.store, job_id, spool_path(self.storage, job_id),
-                                      offset)
-        for problem in problems:
-            _log(f"skipped a spool line: {problem}")
-        return stored
+        service is down)."""
+        return _reported(read_spool(self.store, job_id, spool_path(self.storage, job_id), offset),
+                      "a spool line")
 
     def ingest_rank_records(self, job_id: str) -> int:
         """The records of the job's steps the store lacks, from the ranks' own files: a
         cancel stops the job before its last reports reach the spool, not before the
         ranks kept them."""
-        stored, problems = read_rank_records(self.store, job_id,
-                                             os.path.join(self.storage, job_id))
-        for problem in problems:
-            _log(f"skipped a rank's record: {problem}")
-        return stored
+        return _reported(read_rank_records(self.store, job_id, os.path.join(self.storage, job_id)),
+                      "a rank's record")
 
     def stop_quietly(self, job_id: str) -> None:
         """Ask Ray to stop a job; the next reconcile asks again if this fails."""

@@ -174,3 +174,39 @@ def test_each_documented_default_change_gives_the_reference_behaviour(optimizer_
         assert checks[row[0]](), row
     with pytest.raises(ValueError, match="hook boundary"):
         _partition(nn.Sequential(nn.Linear(4, 4)))  # the default here refuses it
+
+
+# Every name in the reference's ``dmuon.__all__`` and every keyword of its
+# ``dedicate_params`` (its API.md, X-Square-Robot/dmuon @ f002f24).
+REFERENCE_NAMES = (
+    "dedicate_params dedicate_params_ddp dedicate_params_ddp_tp replicate replicate_tp "
+    "install_patch Muon NewtonSchulz newton_schulz gram_newton_schulz get_backend_status "
+    "get_ns_backend get_comm_ctx get_dedicated_params get_owned_params DedicatedCommContext "
+    "DMuonParamPolicy clip_grad_norm_ clip_grad_norm_buckets_ "
+    "try_clip_optimizer_grad_norm_buckets_ register_muon_grad_clip_strategy "
+    "MuonGradClipStats GradClipBucket GradClipBucketStats SegmentedGradClipResult "
+    "summarize_comm_plan summarize_param_groups no_sync prepare_muon_grads wait_all_reduces "
+    "wait_all_replicate_broadcasts wait_all_post_step_broadcasts broadcast_all_updates "
+    "broadcast_all_updates_async collect_forward_unshard_profile get_model_state_dict "
+    "set_model_state_dict get_optimizer_state_dict set_optimizer_state_dict "
+    "YOU_COEFFICIENTS POLAR_EXPRESS_COEFFICIENTS").split()
+REFERENCE_DEDICATE_KEYWORDS = (
+    "compute_dtype reshard_after_forward replicate_mesh hook_boundary_predicate "
+    "hook_boundary_strict hook_boundary_resolver assignment_group_key_fn route_hint_fn "
+    "max_owners_per_group owner_strategy owner_cost_model hsdp_column_balance "
+    "pack_small_params tp_buffer_reuse replicate_broadcast_bucket_mb muon_forward_unshard "
+    "delay_stage2_to_optimizer param_policy param_policy_fn process_group_policy").split()
+STATUSES = ("same", "same, different internals", "different", "refused, because")
+
+
+def test_every_reference_name_and_keyword_has_a_line():
+    rows = _rows("Names of the reference's `dmuon` package") + \
+        _rows("Keywords of `dedicate_params` without a line above")
+    assert {r[1] for r in rows} <= set(STATUSES), {r[1] for r in rows} - set(STATUSES)
+    cells = [r[0] for r in rows]
+    lacking = [n for n in REFERENCE_NAMES
+               if not any(re.search(rf"`(utils\.)?{re.escape(n)}[`(]", c) for c in cells)]
+    assert not lacking, f"names without a line: {lacking}"
+    lacking = [k for k in REFERENCE_DEDICATE_KEYWORDS
+               if not any(re.search(rf"\b{k}\b", c) for c in cells)]
+    assert not lacking, f"dedicate_params keywords without a line: {lacking}"

@@ -222,23 +222,10 @@ def test_one_step_at_small_lr_changes_the_fp32_masters():
 FP16_GRAD = 2.0e4  # every rank's gradient element: 4 of them sum to 8e4 > fp16's 65504
 
 
-class _OneMatrix(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False)])
-
-    def forward(self, x):
-        return self.layers[0](x)
-
-
 def _fp16_reduce(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from _model import dedicated_fp16_matrix
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = _OneMatrix()
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2, mp_policy=policy)
+    model = dedicated_fp16_matrix(world)
     # d/dW of sum(FP16_GRAD * W x) with x all ones: FP16_GRAD in every element, every rank
     (model(torch.ones(1, 16, dtype=torch.float16)) * FP16_GRAD).sum().backward()
     dmuon.wait_all_reduces(model)

@@ -99,23 +99,10 @@ def test_a_nonfinite_update_on_its_owner_is_skipped_on_every_rank():
 FP16_ELEMENT = 1.0e3  # 256 elements: the sum is 2.56e5, past fp16's largest finite 65,504
 
 
-class _Fp16Matrix(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16, bias=False)])
-
-    def forward(self, x):
-        return self.layers[0](x)
-
-
 def _fp16_steps(rank, world):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from _model import dedicated_fp16_matrix
 
-    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
-    model = _Fp16Matrix()
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float16)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2, mp_policy=policy)
+    model = dedicated_fp16_matrix(world)
     opt = dmuon.Muon(model, lr=1e-3, ns_dtype=torch.float32)
     flagged = []
     for scale in (FP16_ELEMENT, float("inf")):

@@ -121,7 +121,7 @@ def _refusals(model, opt):
     for key, call in {
         "ns_object": lambda: dmuon.Muon(model, ns_backend=object()),
         "route": lambda: dmuon.Muon(model, param_groups=[
-            {"params": list(model.parameters()), "dmuon_route": "adamw"}]),
+            {"params": list(model.parameters()), "dmuon_route": "sharded_adamw"}]),
         "missing": lambda: dmuon.Muon(model, param_groups=[
             {"params": list(model.model.layers[0].parameters())}]),
         "norm_type": lambda: dmuon.clip_grad_norm_(opt, 1.0, norm_type=1.0),
@@ -229,7 +229,8 @@ def test_compute_dtype_is_the_mixed_precision_policy_it_names():
 def test_reference_forms_without_a_meaning_here_say_what_to_use():
     refusals = _runs()[0]["refusals"]
     assert "NewtonSchulz" in refusals["ns_object"] and "ns_coefficients" in refusals["ns_object"]
-    assert "dmuon_route" in refusals["route"]
+    assert "dmuon_route='sharded_adamw'" in refusals["route"]
+    assert "dedicate_params(param_policy=...)" in refusals["route"]
     assert "leave out" in refusals["missing"] and "model.embed_tokens.weight" in refusals["missing"]
     assert "norm_type=1.0" in refusals["norm_type"]
 

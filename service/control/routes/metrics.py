@@ -33,4 +33,4 @@ def metrics(job_id: JobId, request: Request, after_step: int = Query(0, ge=0, le
     store = request.app.state.store
     if store.job_status(job_id) is None:
         raise HTTPException(404, f"no job {job_id!r}")
-    return JSONResponse(store.metrics(job_id, after_step))
+    return JSONResponse(store.records.all(job_id, after_step))

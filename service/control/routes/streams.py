@@ -34,7 +34,7 @@ async def events(request: Request, job_id: Annotated[str, Depends(_existing)],
     job has ended and every record was sent."""
     store, cursor, status = request.app.state.store, last_event_id, None
     while True:
-        fresh = await asyncio.to_thread(store.metrics_after, job_id, cursor)
+        fresh = await asyncio.to_thread(store.records.after, job_id, cursor)
         for cursor, record in fresh:  # noqa: B007 - the cursor moves past each record
             yield ServerSentEvent(data=record, event="metrics", id=str(cursor))
         current = await asyncio.to_thread(store.job_status, job_id)

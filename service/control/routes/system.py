@@ -49,7 +49,7 @@ class RunningJobs:
                                  labels=["job", "rank"])
         lr = GaugeMetricFamily("dmuon_job_lr", "learning rate", labels=["job", "group"])
         for job in self.store.list_jobs("RUNNING", 1000):
-            records = self.store.latest_records(job["id"])
+            records = self.store.records.latest(job["id"])
             if not records:
                 continue
             first = records[0]
@@ -57,7 +57,7 @@ class RunningJobs:
             for f, gauge in gauges.items():
                 value = next((r[f] for r in records if r.get(f) is not None), None)
                 if value is None and f == "val_loss":  # between validations: the last
-                    value = (self.store.last_validation(job["id"]) or {}).get(f)
+                    value = (self.store.records.last_validation(job["id"]) or {}).get(f)
                 if value is not None:
                     gauge.add_metric([job["id"]], value)
             for r in records:

@@ -10,6 +10,8 @@ import sys
 
 import torch
 
+from dmuon import planning
+
 from ..models.dtypes import DTYPES
 from ..spec import SpecError, parse_spec
 from ..spec.recipe_section import DMuonSpec
@@ -96,7 +98,17 @@ def plan(args) -> int:
     print(f"mode {m.dmuon.upper()} (FSDP2 {m.fsdp.upper()}): {m.reason}; one rank needs "
           f"Z2 {m.z2_bytes / GB:.1f} GB, Z3 {m.z3_bytes / GB:.1f} GB of "
           f"{m.device_bytes / GB:.0f} GB")
+    print(communicators_line(placement.layout))
     return 0 if fits else 1
+
+
+def communicators_line(layout) -> str:
+    """DMuon's own process groups on one rank, and the device memory NCCL keeps for
+    them, which no tensor holds and the peak above leaves out."""
+    n = planning.communicators_per_rank(layout.replicate, layout.ep)
+    return (f"DMuon process groups per rank: {n} (about "
+            f"{n * planning.COMMUNICATOR_BYTES / GB:.1f} GB of NCCL buffers beside the peak, at "
+            f"{planning.COMMUNICATOR_BYTES / 2**20:.0f} MiB each: NVIDIA/nccl issue 964)")
 
 
 def main(argv=None) -> int:
