@@ -276,3 +276,49 @@ def test_pure_dmuon_on_ddp_x_tp():
         assert ledger["replicate"]["reduce"] + ledger["replicate"]["replicate"] == \
             2 * (DP - 1) * (p_m // TP + p_a) * ELT / DP
         assert ledger["tp"]["step"] > 0  # NS of the TP shards talks over the TP group
+
+
+def _pure_resume(rank, world, path, layout):
+    """5 steps, a sharded checkpoint, a fresh model resumed from it for 5 more: the
+    ``adamw`` route's AdamW state lives on the owners and travels with the masters."""
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for phase in ("first", "resumed"):
+        model = build_model(get_config("tiny"), dtype=torch.float64, seed=1 if phase ==
+                            "resumed" else 0)
+        dmuon.dedicate_params(model, mesh["shard"], predicate=lambda n, p: p.requires_grad,
+                              replicate_mesh=mesh["replicate"] if R > 1 else None,
+                              hook_boundary_predicate=pure_boundaries(model),
+                              param_policy=PURE_POLICY)
+        fsdp_mesh = mesh if R > 1 else mesh["shard"]
+        for layer in model.model.layers:
+            dmuon.fully_shard(layer, mesh=fsdp_mesh)
+        dmuon.fully_shard(model, mesh=fsdp_mesh)
+        opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        start = 0
+        if phase == "resumed":
+            start = dmuon.checkpoint.load(path, model, opt)["step"]
+            for _ in range(start):
+                sched.step()
+        for step, batch in enumerate(global_batches(STEPS)):
+            if step < start or (phase == "first" and step >= STEPS // 2):
+                continue
+            loss_of(model, local_rows(batch, rank, world)).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if phase == "first":
+            dmuon.checkpoint.save(path, model, opt, extra={"step": STEPS // 2})
+    out["full"] = dmuon.full_state_dict(model)
+    return out
+
+
+@pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["z3-1x4", "hsdp-2x2"])
+def test_pure_dmuon_resumes_from_a_checkpoint(layout, tmp_path):
+    straight = pure(layout)
+    resumed = run(_pure_resume, str(tmp_path / "ckpt"), layout, world_size=WORLD)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        for key, value in a["full"].items():
+            assert torch.equal(b["full"][key], value), (rank, key)
