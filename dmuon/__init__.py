@@ -24,7 +24,8 @@ Public API (set-up order: TP, ``dedicate_params``, ``fully_shard``)::
   ``mp_policy``/``compute_dtype`` given here are DMuon's own policy; otherwise the first
   ``fully_shard(mp_policy=...)`` over a hook boundary is.
   ``dedicate_params_ddp(model, mesh, predicate)`` + ``replicate(model)``: the DDP
-  composition (the R x 1 layout).
+  composition (the R x 1 layout); ``dedicate_params_ddp_tp`` + ``replicate_tp``: the
+  same with TP applied first (``mesh`` the data-parallel row of a (dp, tp) mesh).
   Pure DMuon: ``param_policy={"defaults": {...}, "overrides": [{"name": [...], "set":
   {...}}]}`` (or ``param_policy_fn(name, param)``, or the legacy ``route_hint_fn``) routes
   each selected param to ``"muon"``, ``"adamw"`` (owner broadcast/reduce, AdamW on the
@@ -99,11 +100,13 @@ from .clip_buckets import (
 from .comm import Ledger
 from .compose import (
     dedicate_params_ddp,
+    dedicate_params_ddp_tp,
     fully_shard,
     guard_tensor_parallel,
     install_fully_shard,
     install_patch,
     replicate,
+    replicate_tp,
 )
 from .dcp_state_dict import (
     get_model_state_dict,
@@ -160,6 +163,8 @@ def get_ledger(model) -> Ledger:
 # stored plan that does not fit is refused with PlanMismatch. ``dmuon.testing`` (the gloo
 # launcher of the tests and benchmarks) is imported on its own.
 __all__ = [
+    "replicate_tp",
+    "dedicate_params_ddp_tp",
     "summarize_param_groups",
     "summarize_comm_plan",
     "get_comm_ctx",

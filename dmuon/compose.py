@@ -83,14 +83,26 @@ def install_patch() -> None:
 
 
 def _replicate_layout(mesh):
-    """A 1-D data-parallel mesh as the R x 1 (replicate, shard) layout of the same ranks."""
+    """A 1-D data-parallel mesh as the R x 1 (replicate, shard) layout of the same ranks.
+    Under tensor parallelism ``mesh`` is one of several data-parallel rows (one per TP
+    coordinate): every rank builds one mesh of all the rows, so that each makes the
+    same groups in the same order, and takes its own row's layout."""
+    import torch
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     if mesh.ndim != 1:
         raise ValueError(f"the DDP composition takes a 1-D data-parallel mesh, got "
                          f"{mesh.ndim}-D {mesh.mesh_dim_names}; for HSDP use dedicate_params")
-    return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1),
-                      mesh_dim_names=("replicate", "shard"))
+    rows: list = [None] * dist.get_world_size()
+    dist.all_gather_object(rows, mesh.mesh.flatten().tolist())
+    rows = sorted({tuple(r) for r in rows})
+    if len(rows) == 1:
+        return DeviceMesh(mesh.device_type, mesh.mesh.reshape(-1, 1),
+                          mesh_dim_names=("replicate", "shard"))
+    everyone = DeviceMesh(mesh.device_type, torch.tensor(rows).reshape(len(rows), -1, 1),
+                          mesh_dim_names=("row", "replicate", "shard"))
+    return everyone["replicate", "shard"]
 
 
 def dedicate_params_ddp(model: nn.Module, mesh, predicate, *, compute_dtype=None,
@@ -113,6 +125,28 @@ def dedicate_params_ddp(model: nn.Module, mesh, predicate, *, compute_dtype=None
                            process_group_policy=process_group_policy)
     model._dmuon_ddp_layout = layout
     return plan
+
+
+def dedicate_params_ddp_tp(model: nn.Module, mesh, predicate, **kwargs):
+    """The reference's DDP + TP entry: ``dedicate_params_ddp`` with ``mesh`` the
+    data-parallel row of a (dp, tp) mesh, TP applied first. Dedicated TP shards keep an
+    owner per data-parallel row; their NS talks over the TP group (``dmuon.tp``), as
+    under ``dedicate_params``. ``dedicate_params_ddp`` takes them the same way."""
+    return dedicate_params_ddp(model, mesh, predicate, **kwargs)
+
+
+def replicate_tp(model: nn.Module, mesh=None, **kwargs):
+    """The reference's companion of ``dedicate_params_ddp_tp``: ``replicate`` the params
+    DMuon left out. A TP-sharded one among them is refused: route it to DMuon."""
+    from torch.distributed.tensor import DTensor
+
+    shards = [n for n, p in model.named_parameters()
+              if isinstance(p, DTensor) and not is_dedicated(p)]
+    if shards:
+        raise ValueError(f"replicate_tp: {shards[:3]} are TP shards outside DMuon; route "
+                         "them to 'muon' or 'adamw' (dedicate_params_ddp_tp's predicate "
+                         "or param_policy)")
+    return replicate(model, mesh, **kwargs)
 
 
 def replicate(model: nn.Module, mesh=None, **kwargs):

@@ -70,6 +70,11 @@ def _model_part(rank, world):
     assert isinstance(stats, dmuon.MuonGradClipStats)
     out["global"] = (stats.total_norm.item(), stats.clip_coef.item(), bool(stats.clipped))
     out["after"] = dmuon.clip_grad_norm_(opt, None, strategy="global_norm").total_norm.item()
+    backward()  # the reference's method form, its default strategy
+    assert opt.last_muon_grad_clip_stats() is None
+    method = opt.clip_grad_norm_(SMALL_MAX)
+    assert opt.last_muon_grad_clip_stats() is method
+    out["method"] = (method.total_norm.item(), method.clip_coef.item(), method.strategy)
 
     def halve(grads, max_norm, *, norm_type, all_reduce):
         for g in grads:
@@ -163,6 +168,7 @@ def test_wall_x_buckets_and_muon_strategies_match_one_process():
         norm, c, clipped = res["global"]
         assert _close(norm, muon, 1e-9) and _close(c, coef(muon), 1e-9) and clipped
         assert res["after"] == pytest.approx(muon * coef(muon), rel=1e-9)
+        assert res["method"][:2] == (norm, c) and res["method"][2] == "global_norm"
         assert res["halved"] == pytest.approx(muon / 2, rel=1e-9)
 
 

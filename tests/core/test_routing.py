@@ -201,3 +201,124 @@ def test_override_rules():
     k = resolve("layers.0.self_attn.k_proj.weight", None)
     assert (k.route, k.grad_dtype, k.matched) == ("muon", None, (0,))
     assert resolve("norm.weight", None).route == "adamw"
+
+
+def _pure_ddp(rank, world):
+    """The DDP composition (R x 1: every rank keeps every param) with the pure policy:
+    owners step matrices (Muon) and norms (AdamW), ``replicate`` all-reduces the
+    embedding and head."""
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    dmuon.dedicate_params_ddp(model, mesh, predicate=lambda n, p: p.requires_grad,
+                              hook_boundary_predicate=pure_boundaries(model),
+                              param_policy=PURE_POLICY, process_group_policy="isolated")
+    dmuon.replicate(model, mesh)
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    for batch in global_batches(STEPS):
+        loss_of(model, local_rows(batch, rank, world)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"full": dmuon.full_state_dict(model),
+            "ledger": dmuon.get_ledger(model).last_step_by_phase()}
+
+
+def test_pure_dmuon_on_the_ddp_composition():
+    ref, _ = reference()
+    p_m, p_a, _ = _sizes()
+    for rank, res in enumerate(run(_pure_ddp, world_size=WORLD)):
+        for key, value in ref.items():
+            assert _rel_err(res["full"][key], value) <= 1e-9, (rank, key)
+        # owner routes only: each matrix and norm reduced to its owner and published
+        # back, 2 (R-1)/R of their elements over the replicate dim, nothing on the shard dim
+        ledger = res["ledger"]
+        assert ledger["replicate"]["reduce"] + ledger["replicate"]["replicate"] == \
+            2 * (WORLD - 1) * (p_m + p_a) * ELT / WORLD
+
+
+def _pure_ddp_tp(rank, world):
+    """DDP x TP 2 x 2: TP on the layers' matrices first, then the reference's
+    ``dedicate_params_ddp_tp`` + ``replicate_tp`` with the pure policy."""
+    from test_tp import _tp_plan
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    for layer in model.model.layers:
+        parallelize_module(layer, mesh["tp"], _tp_plan())
+    dmuon.dedicate_params_ddp_tp(model, mesh["dp"], predicate=lambda n, p: p.requires_grad,
+                                 hook_boundary_predicate=pure_boundaries(model),
+                                 param_policy=PURE_POLICY)
+    dmuon.replicate_tp(model, mesh["dp"])
+    opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    dp = mesh["dp"].get_local_rank()
+    for batch in global_batches(STEPS):
+        loss_of(model, local_rows(batch, dp, 2)).backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {"full": dmuon.full_state_dict(model),
+            "ledger": dmuon.get_ledger(model).last_step_by_phase()}
+
+
+def test_pure_dmuon_on_ddp_x_tp():
+    ref, _ = reference()
+    p_m, p_a, _ = _sizes()
+    DP, TP = 2, 2
+    for rank, res in enumerate(run(_pure_ddp_tp, world_size=WORLD)):
+        for key, value in ref.items():
+            assert _rel_err(res["full"][key], value) <= 1e-9, (rank, key)
+        # each TP rank moves its half of every matrix and the whole norms: reduced to
+        # the owner and published back over the data-parallel row
+        ledger = res["ledger"]
+        assert ledger["replicate"]["reduce"] + ledger["replicate"]["replicate"] == \
+            2 * (DP - 1) * (p_m // TP + p_a) * ELT / DP
+        assert ledger["tp"]["step"] > 0  # NS of the TP shards talks over the TP group
+
+
+def _pure_resume(rank, world, path, layout):
+    """5 steps, a sharded checkpoint, a fresh model resumed from it for 5 more: the
+    ``adamw`` route's AdamW state lives on the owners and travels with the masters."""
+    R, N = layout
+    mesh = init_device_mesh("cpu", (R, N), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    for phase in ("first", "resumed"):
+        model = build_model(get_config("tiny"), dtype=torch.float64, seed=1 if phase ==
+                            "resumed" else 0)
+        dmuon.dedicate_params(model, mesh["shard"], predicate=lambda n, p: p.requires_grad,
+                              replicate_mesh=mesh["replicate"] if R > 1 else None,
+                              hook_boundary_predicate=pure_boundaries(model),
+                              param_policy=PURE_POLICY)
+        fsdp_mesh = mesh if R > 1 else mesh["shard"]
+        for layer in model.model.layers:
+            dmuon.fully_shard(layer, mesh=fsdp_mesh)
+        dmuon.fully_shard(model, mesh=fsdp_mesh)
+        opt = dmuon.Muon(model, **HPARAMS, ns_dtype=torch.float64)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+        start = 0
+        if phase == "resumed":
+            start = dmuon.checkpoint.load(path, model, opt)["step"]
+            for _ in range(start):
+                sched.step()
+        for step, batch in enumerate(global_batches(STEPS)):
+            if step < start or (phase == "first" and step >= STEPS // 2):
+                continue
+            loss_of(model, local_rows(batch, rank, world)).backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        if phase == "first":
+            dmuon.checkpoint.save(path, model, opt, extra={"step": STEPS // 2})
+    out["full"] = dmuon.full_state_dict(model)
+    return out
+
+
+@pytest.mark.parametrize("layout", [(1, 4), (2, 2)], ids=["z3-1x4", "hsdp-2x2"])
+def test_pure_dmuon_resumes_from_a_checkpoint(layout, tmp_path):
+    straight = pure(layout)
+    resumed = run(_pure_resume, str(tmp_path / "ckpt"), layout, world_size=WORLD)
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        for key, value in a["full"].items():
+            assert torch.equal(b["full"][key], value), (rank, key)
