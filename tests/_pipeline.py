@@ -163,6 +163,7 @@ def pp_train(rank, world, *, schedule="1f1b", split="two", z3=False, steps=10, m
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
     d, dp = data_rank(mesh)
     modules = [s.submod for s in stages]
+    forwards = _count_layer_forwards(stages)
     out, start = {"losses": [], "norms": [], "skipped": [], "after": []}, 0
     if load:
         extra = dmuon.checkpoint.load(path, modules, opt)
@@ -192,10 +193,24 @@ def pp_train(rank, world, *, schedule="1f1b", split="two", z3=False, steps=10, m
             dmuon.checkpoint.save(path, modules, opt,
                                   extra={"step": step + 1, "sched": sched.state_dict()})
             out["saved"] = full_state(stages, opt)
-    out["final"] = full_params(stages)
+    out["final"], out["layer_forwards"] = full_params(stages), dict(forwards)
     out["ledgers"] = {s.stage_index: dmuon.get_ledger(s.submod).last_step_by_phase()
                       for s in stages}
     return out
+
+
+def _count_layer_forwards(stages) -> dict:
+    """stage index -> how many times its decoder layers ran forward (recomputations in
+    the backward included)."""
+    from _model import DecoderLayer
+
+    counts = {s.stage_index: 0 for s in stages}
+    for s in stages:
+        for m in s.submod.modules():
+            if isinstance(m, DecoderLayer):
+                m.register_forward_pre_hook(
+                    lambda *_, i=s.stage_index: counts.__setitem__(i, counts[i] + 1))
+    return counts
 
 
 def full_params(stages) -> dict:
