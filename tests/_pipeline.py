@@ -167,8 +167,7 @@ def pp_train(rank, world, *, schedule="1f1b", split="two", z3=False, steps=10, m
     out, start = {"losses": [], "norms": [], "skipped": [], "after": []}, 0
     if load:
         extra = dmuon.checkpoint.load(path, modules, opt)
-        start = extra["step"]
-        sched.load_state_dict(extra["sched"])
+        start = sched.last_epoch = extra["step"]  # the lrs come back in the groups
         out["loaded"] = full_state(stages, opt)
     for step, batch in enumerate(global_batches(steps, CONFIG.vocab_size)):
         if step < start:
@@ -190,8 +189,7 @@ def pp_train(rank, world, *, schedule="1f1b", split="two", z3=False, steps=10, m
         out["skipped"].append(opt.nonfinite_ranks)
         out["after"].append(full_params(stages))
         if save_at == step + 1:
-            dmuon.checkpoint.save(path, modules, opt,
-                                  extra={"step": step + 1, "sched": sched.state_dict()})
+            dmuon.checkpoint.save(path, modules, opt, extra={"step": step + 1})
             out["saved"] = full_state(stages, opt)
     out["final"], out["layer_forwards"] = full_params(stages), dict(forwards)
     out["ledgers"] = {s.stage_index: dmuon.get_ledger(s.submod).last_step_by_phase()
