@@ -4,7 +4,9 @@ Nothing is gathered to one rank: owners write their full matrices and momentum b
 FSDP2 params and AdamW state go as DTensors. A checkpoint is a flat DCP state dict with
 keys ``model/<fqn>``, ``optim/<fqn>/<state>``, ``optim_groups`` and ``extra``; loading
 asks for keys by FQN on whatever layout the model now has, so a checkpoint written on
-one R x N layout loads on another.
+one R x N layout loads on another. A pipeline's stages keep the model's FQNs, so its
+checkpoint has the whole model's keys and loads on another pp degree, or none
+(``dmuon.pipeline_state``).
 
 ``save`` writes into ``<path>.partial`` and renames it to ``<path>`` only once every
 rank has finished and a manifest of file sizes is written, so a save killed midway
@@ -28,7 +30,7 @@ from .full_state import raw_state_dict, units_by_key
 from .model_state import get_state
 
 MANIFEST = "dmuon_manifest.json"
-_GROUP_KEYS_SKIPPED = ("params",)
+GROUP_KEYS_SKIPPED = ("params",)
 
 
 def ensure_optimizer_state(optimizer) -> None:
@@ -66,7 +68,7 @@ def _by_expert(plan, unit: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]
     return {f"{canonical_fqn(a.param)}[{e}]": tensor[e - lo] for e in range(lo, hi)}
 
 
-def _global_model_keys(model: nn.Module) -> set[str]:
+def global_model_keys(model: nn.Module) -> set[str]:
     raw = raw_state_dict(model)
     plan = get_state(model).plan
     units_of, keys = units_by_key(plan), set()
@@ -121,54 +123,64 @@ def optimizer_share(model: nn.Module, optimizer) -> dict:
     return {
         "state": optim_state,
         "param_groups": [
-            {k: v for k, v in g.items() if k not in _GROUP_KEYS_SKIPPED}
+            {k: v for k, v in g.items() if k not in GROUP_KEYS_SKIPPED}
             for g in optimizer.param_groups
         ],
     }
 
 
+def _pipelined(optimizer) -> bool:
+    """A ``dmuon.PipelineMuon``: it holds this rank's stages and gives their shares
+    under the whole model's FQNs (``dmuon.pipeline_state``); ``model`` is then this
+    rank's stage modules, for the reader."""
+    return hasattr(optimizer, "checkpoint_share")
+
+
 def get_state_dict(model: nn.Module, optimizer) -> tuple[dict, dict]:
-    """``(model_share(model), optimizer_share(model, optimizer))``: this rank's share."""
+    """``(model_share(model), optimizer_share(model, optimizer))``: this rank's share
+    (a pipeline's: every stage's it holds)."""
+    if _pipelined(optimizer):
+        return optimizer.checkpoint_share()
     return model_share(model), optimizer_share(model, optimizer)
 
 
-def _lacking(target: dict, given: dict) -> list[str]:
+def lacking(target: dict, given: dict) -> list[str]:
     return [f"model/{k}" for k in target if k not in given]
 
 
-def _lacking_optim(target: dict, given: dict) -> list[str]:
+def lacking_optim(target: dict, given: dict) -> list[str]:
     return [f"optim/{k}/{n}" for k, s in target["state"].items() for n in s
             if n not in given["state"].get(k, {})]
 
 
-def _raise_lacking(missing: list[str]) -> None:
+def raise_lacking(missing: list[str]) -> None:
     if missing:
         raise KeyError(f"state dict lacks {len(missing)} keys this rank needs: "
                        f"{_preview(missing)}")
 
 
 @torch.no_grad()
-def _copy_model(target: dict, model_sd: dict) -> None:
+def copy_model(target: dict, model_sd: dict) -> None:
     for key, dst in target.items():
-        _copy(dst, model_sd[key], f"model/{key}")
+        copy_tensor(dst, model_sd[key], f"model/{key}")
 
 
 @torch.no_grad()
 def _copy_optimizer(optimizer, target: dict, optim_sd: dict) -> None:
     for fqn, tensors in target["state"].items():
         for name, dst in tensors.items():
-            _copy(dst, optim_sd["state"][fqn][name], f"optim/{fqn}/{name}")
+            copy_tensor(dst, optim_sd["state"][fqn][name], f"optim/{fqn}/{name}")
     load_groups(optimizer, optim_sd["param_groups"])
 
 
 def load_groups(optimizer, saved_groups: list[dict]) -> None:
     """Saved hyperparameters into the optimizer's groups, by position."""
-    skipped = (*_GROUP_KEYS_SKIPPED, "kind", "use_muon")  # what a group is, not a setting
+    skipped = (*GROUP_KEYS_SKIPPED, "kind", "use_muon")  # what a group is, not a setting
     for group, saved in zip(optimizer.param_groups, saved_groups):
         group.update({k: v for k, v in saved.items() if k not in skipped})
 
 
-def _republish(model: nn.Module) -> None:
+def republish(model: nn.Module) -> None:
     for b in get_state(model).boundaries:  # the owners' loaded values reach their replicas
         b.publish()
         b.transfer.start_replicate()
@@ -178,30 +190,33 @@ def _republish(model: nn.Module) -> None:
 def load_model_share(model: nn.Module, model_sd: dict) -> None:
     """Copy a ``model_share``-shaped dict of the same layout into the model."""
     target = model_share(model)
-    _raise_lacking(_lacking(target, model_sd))
-    _copy_model(target, model_sd)
-    _republish(model)
+    raise_lacking(lacking(target, model_sd))
+    copy_model(target, model_sd)
+    republish(model)
 
 
 def load_optimizer_share(model: nn.Module, optimizer, optim_sd: dict) -> None:
     """Copy an ``optimizer_share``-shaped dict of the same layout into the optimizer."""
     target = optimizer_share(model, optimizer)
-    _raise_lacking(_lacking_optim(target, optim_sd))
+    raise_lacking(lacking_optim(target, optim_sd))
     _copy_optimizer(optimizer, target, optim_sd)
 
 
 def set_state_dict(model: nn.Module, optimizer, state_dict) -> None:
     """Copy a ``get_state_dict``-shaped ``(model_sd, optim_sd)`` into model and optimizer;
     every key is checked before anything is written."""
+    if _pipelined(optimizer):
+        optimizer.load_checkpoint_share(state_dict)
+        return
     model_sd, optim_sd = state_dict
     target_model, target_optim = get_state_dict(model, optimizer)
-    _raise_lacking(_lacking(target_model, model_sd) + _lacking_optim(target_optim, optim_sd))
-    _copy_model(target_model, model_sd)
+    raise_lacking(lacking(target_model, model_sd) + lacking_optim(target_optim, optim_sd))
+    copy_model(target_model, model_sd)
     _copy_optimizer(optimizer, target_optim, optim_sd)
-    _republish(model)
+    republish(model)
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
+def copy_tensor(dst: torch.Tensor, src: torch.Tensor, key: str) -> None:
     if dst is src:
         return
     if tuple(dst.shape) != tuple(src.shape):
@@ -239,7 +254,9 @@ def _committed(path: str) -> str:
 
 
 def save(path: str, model: nn.Module, optimizer, extra: dict | None = None) -> None:
-    """Collective sharded save; ``extra`` (JSON-able: step, data position) rides along."""
+    """Collective sharded save; ``extra`` (JSON-able: step, data position) rides along.
+    Under a pipeline ``model`` is this rank's stage modules and ``optimizer`` the
+    ``dmuon.PipelineMuon`` over them: the keys are the whole model's FQNs."""
     path = os.path.abspath(path)
     partial = f"{path}.partial"
     if _rank0():
@@ -279,11 +296,12 @@ def _verify_files(path: str) -> None:
             raise ValueError(f"checkpoint {path}: file {name} is {state}")
 
 
-def _check_keys(path: str, flat: dict, model: nn.Module) -> None:
-    """Name what this model needs and the checkpoint lacks, and what it has in excess."""
+def _check_keys(path: str, flat: dict, keys: set[str]) -> None:
+    """Name what this model (its ``keys``) needs and the checkpoint lacks, and what it
+    has in excess."""
     meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     missing = [k for k in flat if k not in meta]
-    model_keys = {f"model/{k}" for k in _global_model_keys(model)}
+    model_keys = {f"model/{k}" for k in keys}
     unexpected = [k for k in meta if k.startswith("model/") and k not in model_keys]
     mismatched = [
         f"{k}: checkpoint {tuple(meta[k].size)} != model {tuple(v.shape)}"
@@ -308,18 +326,28 @@ def load(path: str, model: nn.Module, optimizer) -> dict:
     _verify_files(path)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     flat = _flat(model_sd, optim_sd, None)
-    _check_keys(path, flat, model)
+    keys = optimizer.checkpoint_model_keys() if _pipelined(optimizer) \
+        else global_model_keys(model)
+    _check_keys(path, flat, keys)
     dcp.load(flat, checkpoint_id=path)
-    groups = json.loads(flat["optim_groups"])
-    for saved, group in zip(groups, optim_sd["param_groups"]):
-        for k, v in saved.items():
-            if isinstance(group.get(k), torch.dtype):
-                saved[k] = getattr(torch, v.removeprefix("torch."))
-            elif isinstance(group.get(k), tuple):
-                saved[k] = tuple(v)
-    optim_sd["param_groups"] = groups
+    optim_sd["param_groups"] = _decoded_groups(json.loads(flat["optim_groups"]),
+                                               optim_sd["param_groups"])
     set_state_dict(model, optimizer, (model_sd, optim_sd))
     return json.loads(flat["extra"])
+
+
+def _decoded_groups(saved_groups: list[dict], groups: list[dict]) -> list[dict]:
+    """JSON's groups back to the types this optimizer's group of the same kind (else at
+    the same position) holds: dtypes, tuples."""
+    for i, saved in enumerate(saved_groups):
+        like = next((g for g in groups if "kind" in saved and g.get("kind") == saved["kind"]),
+                    groups[i] if i < len(groups) else {})
+        for k, v in saved.items():
+            if isinstance(like.get(k), torch.dtype):
+                saved[k] = getattr(torch, v.removeprefix("torch."))
+            elif isinstance(like.get(k), tuple):
+                saved[k] = tuple(v)
+    return saved_groups
 
 
 def _preview(keys: list[str], n: int = 8) -> str:

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import pipelining
 
-from . import comm
+from . import comm, pipeline_state
 from .dedicate import _groups_like, dedicate_params
 from .grads import check_norm_type, clip_to, squared_norm
 from .model_state import _fsdp2_nonfinite, get_state
@@ -99,8 +99,9 @@ class PipelineMuon(torch.optim.Optimizer):
     together: every stage's updates are computed, one flag says whether any is not
     finite anywhere in the pipeline, then all are applied or all skipped (the updates
     of every stage here are held until it lands). ``param_groups`` are the stages' own
-    group dicts, so one LR scheduler drives them all. ``dmuon.checkpoint`` does not
-    cover a pipeline yet (it takes one model, and coordinates over the whole world).
+    group dicts, so one LR scheduler drives them all. Its state is keyed by the whole
+    model's FQNs (``state_dict``; ``dmuon.checkpoint.save(path, stage_modules, opt)``),
+    so it loads on another pp degree (``dmuon.pipeline_state``).
 
     Every rank of the pipeline must hold the same number of stages (the schedules'
     rule): each issues the same collectives, in the same order."""
@@ -192,6 +193,26 @@ class PipelineMuon(torch.optim.Optimizer):
         for _, grads in parts:
             clip_to(grads, total, max_norm, error_if_nonfinite, eps)
         return total
+
+    def state_dict(self) -> dict:
+        """This rank's share of every stage's state, ``{"state": {fqn: {name: tensor}},
+        "param_groups": [one per kind]}`` (collective: the groups are agreed)."""
+        return pipeline_state.optimizer_state(self.stages, self.optimizers)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A ``state_dict`` of this same layout back; every key checked first."""
+        pipeline_state.load_optimizer_state(self.stages, self.optimizers, state_dict)
+
+    def checkpoint_share(self) -> tuple[dict, dict]:
+        """``dmuon.checkpoint``'s ``(model share, optimizer share)`` of the stages here."""
+        return pipeline_state.share(self.stages, self.optimizers)
+
+    def load_checkpoint_share(self, state_dict) -> None:
+        pipeline_state.load_share(self.stages, self.optimizers, state_dict)
+
+    def checkpoint_model_keys(self) -> set[str]:
+        """The model keys of every stage of the pipeline (collective)."""
+        return pipeline_state.model_keys(self.stages)
 
     def step_loss(self, losses: list) -> float:
         """The step's loss, the same on every rank: the mean of the last stage's

@@ -38,7 +38,31 @@ def _assert_matches_reference(results: list[dict]) -> None:
 
 
 def test_1f1b_pp2_fsdp2_matches_the_reference():
-    _assert_matches_reference(run(pp_train, schedule="1f1b", world_size=4))
+    results = run(pp_train, schedule="1f1b", world_size=4)
+    _assert_matches_reference(results)
+    for r in results:  # once per micro-batch without checkpointing
+        assert list(r["layer_forwards"].values()) == [4 * STEPS * 2], r["layer_forwards"]
+
+
+def test_pp2_tp2_matches_the_reference():
+    """TP 2 inside each stage on 4 ranks (pp, shard 1, tp): every layer's projections
+    split column then row as test_tp's, the stage's activations whole between stages."""
+    results = run(pp_train, tp=2, world_size=4)
+    _assert_matches_reference(results)
+    for r in results:  # the matrices were split: NS's Gram sums or gathers went over tp
+        assert all(ledger["tp"]["step"] > 0 for ledger in r["ledgers"].values())
+
+
+@pytest.mark.parametrize("ac", ["checkpoint", "wrapper"])
+def test_activation_checkpointing_inside_the_stages_matches_the_reference(ac):
+    """Each layer recomputed in its micro-batch's backward (torch.utils.checkpoint, or
+    torch's checkpoint_wrapper, whose FQN segment the state dicts leave out), Z3: the
+    recomputation re-gathers what the forward freed. Each layer ran forward twice per
+    micro-batch (4 micro-batches, 10 steps, 2 layers a stage)."""
+    results = run(pp_train, ac=ac, z3=True, world_size=4)
+    _assert_matches_reference(results)
+    for r in results:
+        assert list(r["layer_forwards"].values()) == [2 * 4 * STEPS * 2], r["layer_forwards"]
 
 
 def test_pp2_hsdp2x2_matches_the_reference():

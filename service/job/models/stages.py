@@ -1,0 +1,138 @@
+"""Pipeline stages, one split per architecture, beside the TP plans (``tp_plans.py``).
+
+``split_stages(model, stages)`` cuts the built-in model (dense or MoE) or a Hugging Face
+decoder (Llama, Qwen2, Qwen3, Qwen3-MoE) into ``stages`` stage modules, on the meta
+device or not: ``layout.pp`` of them, or ``layout.pp x v`` for an interleaved schedule,
+rank ``p`` holding stages ``p, p + pp, ...``. Each stage holds the model's own modules
+(no copy) under their FQNs (``model.layers.5`` stays ``model.layers.5``), so a stage's
+state dict keys are the whole model's and a checkpoint loads on any degree: the
+embedding on the first stage, the final norm and the head on the last, the decoder
+layers cut into equal consecutive runs. Each stage runs its layers as the whole
+model's forward does (rotary tables and the causal mask made again on each stage);
+the first takes token ids, the others the hidden states, the last gives the logits.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+
+_HF_TYPES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+
+
+def _kind(model: nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if getattr(config, "model_type", None) in _HF_TYPES:
+        return "hf"
+    if type(model).__name__ == "LlamaForCausalLM" and hasattr(config, "n_kv_heads"):
+        return "builtin"
+    return None
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def check_pp_degree(model: nn.Module, stages: int, pp: int | None = None) -> None:
+    """Refuse ``stages`` (``pp``, or ``pp x v`` interleaved) that does not cut the
+    decoder layers evenly, an architecture without a split, or an ``lm_head`` tied to
+    the embedding (the first and last stages would each hold it)."""
+    pp = stages if pp is None else pp
+    if stages == 1:
+        return
+    if _kind(model) is None:
+        raise ValueError(f"layout.pp = {pp}: no pipeline split for {type(model).__name__}; "
+                         "the built-in model and HF Llama, Qwen2, Qwen3 and Qwen3-MoE have one")
+    n = len(model.model.layers)
+    if n % stages:
+        what = f"{stages} stages ({pp} x {stages // pp})" if stages != pp else f"{stages} stages"
+        raise ValueError(f"layout.pp = {pp}: {what} do not divide the {n} decoder layers of "
+                         f"{type(model).__name__} evenly; the stage counts that do: "
+                         f"{_divisors(n)}")
+    head, embed = getattr(model, "lm_head", None), model.model.embed_tokens
+    if head is not None and head.weight is embed.weight:
+        raise ValueError(f"layout.pp = {pp}: 'lm_head' is tied to the input embedding, "
+                         "which the first stage holds and the last would too; untie them")
+
+
+class _Stage(nn.Module):
+    """Stage ``index`` of ``stages``: the model's modules under their FQNs."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int):
+        super().__init__()
+        n = len(model.model.layers)
+        per = n // stages
+        self.config, self.index = model.config, index
+        self.first, self.last = index == 0, index == stages - 1
+        self.model = nn.Module()
+        if self.first:
+            self.model.embed_tokens = model.model.embed_tokens
+        self.model.layers = nn.ModuleDict(
+            {str(i): model.model.layers[i] for i in range(index * per, (index + 1) * per)})
+        if self.last:
+            self.model.norm = model.model.norm
+            self.lm_head = model.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(x) if self.first else x
+        h = self.run_layers(h)
+        return self.lm_head(self.model.norm(h)) if self.last else h
+
+
+class BuiltinStage(_Stage):
+    """A stage of the built-in model: its layers take the rotary tables, under the
+    model's activation checkpointing setting."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int):
+        super().__init__(model, index, stages)
+        self.activation_checkpointing = model.model.activation_checkpointing
+
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        from .builtin import rope_cos_sin
+
+        c = self.config
+        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), c.head_dim,
+                                c.rope_theta, h.dtype)
+        for layer in self.model.layers.values():
+            if self.activation_checkpointing:
+                h = torch.utils.checkpoint.checkpoint(
+                    layer, h, cos, sin,
+                    use_reentrant=self.activation_checkpointing == "reentrant")
+            else:
+                h = layer(h, cos, sin)
+        return h
+
+
+class HFStage(_Stage):
+    """A stage of a Hugging Face decoder: the rotary embedding (buffers alone) on every
+    stage, the causal mask made as the model makes it."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int):
+        super().__init__(model, index, stages)
+        self.model.rotary_emb = model.model.rotary_emb
+
+    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+        from transformers import masking_utils
+
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        make_mask = masking_utils.create_causal_mask \
+            if getattr(self.config, "sliding_window", None) is None \
+            else masking_utils.create_sliding_window_causal_mask
+        mask = make_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+                         past_key_values=None, position_ids=positions)
+        rotary = self.model.rotary_emb(h, position_ids=positions)
+        for layer in self.model.layers.values():
+            h = layer(h, attention_mask=mask, position_ids=positions,
+                      position_embeddings=rotary)
+        return h
+
+
+def split_stages(model: nn.Module, stages: int, pp: int | None = None) -> list[nn.Module]:
+    """Every stage of ``model`` (``check_pp_degree`` first; ``pp``: the degree named in
+    its messages when ``stages`` is ``pp x v``)."""
+    check_pp_degree(model, stages, pp)
+    if _kind(model) is None:
+        raise ValueError(f"no pipeline split for {type(model).__name__}")
+    cls = BuiltinStage if _kind(model) == "builtin" else HFStage
+    return [cls(model, i, stages) for i in range(stages)]
