@@ -1,10 +1,9 @@
-import os
-import sys
+"""The whole suite's environment: loopback gloo, one thread per process, Ray without usage
+stats or auth. The tests' shared code is the ``helpers`` package (pyproject's pytest
+``pythonpath`` puts the checkout and tests/ first)."""
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-for path in (ROOT, os.path.join(ROOT, "tests")):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+import os
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 # Ray reads this when imported: local clusters keep 127.0.0.1 as their node address.
@@ -25,7 +24,7 @@ def postgres():
     """One PostgreSQL server for the session (about 2 s to start); each user makes its
     own database. Fails (not skips) where it cannot start: CI runs as root with the
     Debian package installed."""
-    from _postgres import Postgres, available
+    from helpers.postgres import Postgres, available
 
     reason = available()
     if reason:

@@ -153,7 +153,7 @@ def named_paths(text: str) -> set[str]:
 def _exists(name: str) -> bool:
     if "/" not in name:
         return name.rpartition(".")[2] in FILE_SUFFIXES or module_exists(name)
-    # a path, or a module's name in a file (`tests/_elastic.GROW_COUNTS`)
+    # a path, or a module's name in a file (`tests/helpers/elastic.GROW_COUNTS`)
     file, _, attr = name.rpartition(".")
     return (ROOT / name).exists() or ((ROOT / f"{file}.py").is_file()
                                       and attr in _defines(ROOT / f"{file}.py"))
@@ -235,7 +235,7 @@ def test_a_stale_path_planted_in_deploy_readme_fails_the_check(tmp_path):
 
 
 def test_a_stale_path_planted_in_a_comment_or_docstring_fails_the_check(tmp_path):
-    source = (ROOT / "tests" / "_model.py").read_text()
+    source = (ROOT / "tests" / "helpers" / "model.py").read_text()
     (tmp_path / "as_is.py").write_text(source + "\n".join(f"# {n}" for n in NOT_OURS))
     (tmp_path / "comment.py").write_text(source + "# see service/worker/models.py\n")
     (tmp_path / "docstring.py").write_text(

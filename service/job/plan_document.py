@@ -28,7 +28,7 @@ from pydantic import (
 from .layout import Layout
 
 # The kinds of a rank's memory, in ``dmuon.memory_report``'s order (``dmuon.MEMORY_KINDS``;
-# tests/test_planner.py checks they agree): named here so the control plane, which
+# tests/job/test_planner.py checks they agree): named here so the control plane, which
 # shows them, needs no dmuon
 MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "adamw_state")
 

@@ -15,7 +15,7 @@ from collections import Counter
 import pytest
 import torch
 import torch.nn.functional as F
-from _train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns, reference_optimizers
+from helpers.train import HPARAMS, fp64_newton_schulz, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon

@@ -14,10 +14,10 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _collectives import FuncolBytes
-from _hf_build import hf_causal_lm
-from _memory import peak_live_bytes
-from _train import HPARAMS, lr_lambda, reference_optimizers, reference_train
+from helpers.collectives import FuncolBytes
+from helpers.hf_build import hf_causal_lm
+from helpers.memory import peak_live_bytes
+from helpers.train import HPARAMS, lr_lambda, reference_optimizers, reference_train
 
 import dmuon
 from dmuon.testing import run

@@ -5,7 +5,7 @@ reduced once) both equal one backward of the summed loss."""
 from __future__ import annotations
 
 import pytest
-from _train import hsdp_train
+from helpers.train import hsdp_train
 
 from dmuon.testing import run
 

@@ -8,8 +8,8 @@ import functools
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
-from _train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import set_checkpoint_early_stop
 

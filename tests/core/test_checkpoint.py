@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from _train import hsdp_train
+from helpers.train import hsdp_train
 
 from dmuon.testing import run
 
@@ -67,7 +67,7 @@ def test_2x2_checkpoint_loads_on_other_layouts(ckpt_dir, layout):
 
 
 def _load_only(rank, world, path):
-    from _train import build_dmuon
+    from helpers.train import build_dmuon
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
@@ -108,7 +108,7 @@ def test_bad_checkpoints_name_the_problem(ckpt_dir, tmp_path):
 
 def _save_then_die(rank, world, path, snapshot_path, where):
     import torch.distributed.checkpoint as dcp
-    from _train import build_dmuon, global_batches, local_rows, loss_of
+    from helpers.train import build_dmuon, global_batches, local_rows, loss_of
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
@@ -148,7 +148,7 @@ def _save_then_die(rank, world, path, snapshot_path, where):
 
 
 def _load_full(rank, world, path):
-    from _train import build_dmuon
+    from helpers.train import build_dmuon
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon

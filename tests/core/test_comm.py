@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _collectives import CollectiveRecorder
+from helpers.collectives import CollectiveRecorder
 
 from dmuon import comm
 from dmuon.testing import run

@@ -15,7 +15,7 @@ import functools
 
 import pytest
 import torch
-from _train import build_dmuon, global_batches, local_rows, loss_of
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of
 
 import dmuon
 from dmuon.testing import run

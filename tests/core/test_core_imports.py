@@ -15,29 +15,30 @@ ALLOWED = {"torch", "dmuon"}  # besides the standard library
 
 
 def _imports(tree: ast.Module) -> list[tuple[int, str, str]]:
-    """(line, top-level module, the statement) of every import in the module, including
+    """(line, module, the statement) of every import in the module, including
     those inside functions and classes and calls of ``importlib.import_module`` or
     ``__import__`` with a constant name; relative imports give the module ``"."``."""
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(node.lineno, a.name.split(".")[0], ast.unparse(node)) for a in node.names]
+            found += [(node.lineno, a.name, ast.unparse(node)) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
-            top = "." if node.level else (node.module or "").split(".")[0]
-            found.append((node.lineno, top, ast.unparse(node)))
+            found.append((node.lineno, "." if node.level else node.module or "",
+                          ast.unparse(node)))
         elif isinstance(node, ast.Call) and node.args \
                 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str) \
                 and (getattr(node.func, "id", None) == "__import__"
                      or getattr(node.func, "attr", None) == "import_module"):
-            found.append((node.lineno, node.args[0].value.split(".")[0], ast.unparse(node)))
+            found.append((node.lineno, node.args[0].value, ast.unparse(node)))
     return found
 
 
 def _local_module(name: str, search: list[pathlib.Path]) -> pathlib.Path | None:
-    """A module that conftest's sys.path (tests/) or pytest's (the test's folder) finds."""
+    """A module that pytest's ``pythonpath`` (tests/: the ``helpers`` package) or its
+    rootdir import (the test's folder) finds."""
     for folder in search:
-        if (folder / f"{name}.py").is_file():
-            return folder / f"{name}.py"
+        if (folder / f"{name.replace('.', '/')}.py").is_file():
+            return folder / f"{name.replace('.', '/')}.py"
     return None
 
 
@@ -47,17 +48,18 @@ def _shown(path: pathlib.Path) -> str:
 
 def service_imports(start: list[pathlib.Path], search: list[pathlib.Path]) -> list[str]:
     """``file:line statement`` for each import of ``service`` in ``start`` and in the local
-    modules (``_train``, ``_model``, a sibling test) they import, followed transitively."""
+    modules (``helpers.train``, ``helpers.model``, a sibling test) they import, followed
+    transitively."""
     todo, seen, hits = list(start), set(), []
     while todo:
         path = todo.pop()
         if path in seen:
             continue
         seen.add(path)
-        for line, top, stmt in _imports(ast.parse(path.read_text(), str(path))):
-            if top == "service":
+        for line, module, stmt in _imports(ast.parse(path.read_text(), str(path))):
+            if module.split(".")[0] == "service":
                 hits.append(f"{_shown(path)}:{line} {stmt}")
-            elif (local := _local_module(top, search)) is not None:
+            elif (local := _local_module(module, search)) is not None:
                 todo.append(local)
     return sorted(hits)
 
@@ -67,7 +69,8 @@ def foreign_imports(package: pathlib.Path) -> list[str]:
     that is neither the standard library, torch, nor the package itself."""
     hits = []
     for path in sorted(package.rglob("*.py")):
-        for line, top, stmt in _imports(ast.parse(path.read_text(), str(path))):
+        for line, module, stmt in _imports(ast.parse(path.read_text(), str(path))):
+            top = module if module == "." else module.split(".")[0]
             if top != "." and top not in ALLOWED and top not in sys.stdlib_module_names:
                 hits.append(f"{path.relative_to(package.parent)}:{line} {stmt}")
     return hits

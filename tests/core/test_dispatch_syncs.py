@@ -1,4 +1,4 @@
-"""Host syncs (``_syncs.SyncCounter``: what would drain the stream on CUDA) of
+"""Host syncs (``helpers.syncs.SyncCounter``: what would drain the stream on CUDA) of
 ``dmuon.dispatch_combine`` and of the core's optimizer step, counted on the CPU.
 
 A dispatch reads its row counts on the host once (the splits of its all-to-alls and the
@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _syncs import SyncCounter
-from _train import build_dmuon, global_batches, local_rows, loss_of
+from helpers.syncs import SyncCounter
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of
 
 from dmuon.expert_dispatch import dispatch_combine, grouped_linear
 from dmuon.testing import run

@@ -7,9 +7,9 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder, DMuonCollectives
-from _model import build_model, get_config, muon_predicate
-from _train import (
+from helpers.collectives import CollectiveRecorder, DMuonCollectives
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
     build_dmuon,
     global_batches,
     gram_ns_flops,

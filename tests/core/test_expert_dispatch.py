@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from _collectives import CollectiveRecorder
+from helpers.collectives import CollectiveRecorder
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 

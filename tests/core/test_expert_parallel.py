@@ -19,8 +19,8 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.nn.functional as F
-from _layer_stack import LayerStack
-from _train import HPARAMS, lr_lambda, reference_ns, reference_optimizers
+from helpers.layer_stack import LayerStack
+from helpers.train import HPARAMS, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
@@ -388,7 +388,7 @@ def test_a_planner_partitions_the_whole_meta_model_as_the_ranks_did():
 
 
 def _warmed_groups(rank, world, layout_id):
-    from _collectives import CollectiveRecorder
+    from helpers.collectives import CollectiveRecorder
 
     with CollectiveRecorder() as recorder:
         _, model = _setup(LAYOUTS[layout_id])

@@ -7,8 +7,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _layer_stack import LayerStack
-from _train import HPARAMS, reference_ns, reference_optimizers
+from helpers.layer_stack import LayerStack
+from helpers.train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon

@@ -6,7 +6,7 @@ import functools
 
 import pytest
 import torch
-from _train import (
+from helpers.train import (
     build_model,
     get_config,
     gram_ns_flops,
@@ -81,7 +81,7 @@ def test_replicate_bytes_per_column_and_one_ns_per_matrix():
 
 
 def _ns_flops_worker(rank, world):
-    from _train import build_dmuon, global_batches, local_rows, loss_of
+    from helpers.train import build_dmuon, global_batches, local_rows, loss_of
     from torch.distributed.device_mesh import init_device_mesh
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -110,7 +110,7 @@ def test_clipped_norm_equals_single_process_norm():
 
 def _reference_norms(clip, steps):
     """Single process: the global-batch gradient norm at each step, clipping applied."""
-    from _train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
+    from helpers.train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
 
     model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
     opts = reference_optimizers([p for n, p in model.named_parameters() if muon_predicate(n, p)],

@@ -1,7 +1,7 @@
 """Meta-device init: a model built on ``torch.device("meta")``, dedicated and fully
 sharded there, then ``dmuon.materialize``d: the values equal the same model initialised
 in full on one process by the same rule. What each rank allocates, against the planner's
-share of it: tests/test_meta_init_plan.py."""
+share of it: tests/job/test_meta_init_plan.py."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import functools
 
 import pytest
 import torch
-from _model import build_model, get_config, init_builtin, muon_predicate
-from _train import global_batches, local_rows, loss_of, materialized_from_meta
+from helpers.model import build_model, get_config, init_builtin, muon_predicate
+from helpers.train import global_batches, local_rows, loss_of, materialized_from_meta
 
 import dmuon
 from dmuon.testing import run

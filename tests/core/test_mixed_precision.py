@@ -21,9 +21,16 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder
-from _model import build_model, get_config, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of, reference_ns, reference_optimizers
+from helpers.collectives import CollectiveRecorder
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
+    HPARAMS,
+    global_batches,
+    local_rows,
+    loss_of,
+    reference_ns,
+    reference_optimizers,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -223,7 +230,7 @@ FP16_GRAD = 2.0e4  # every rank's gradient element: 4 of them sum to 8e4 > fp16'
 
 
 def _fp16_reduce(rank, world):
-    from _model import dedicated_fp16_matrix
+    from helpers.model import dedicated_fp16_matrix
 
     model = dedicated_fp16_matrix(world)
     # d/dW of sum(FP16_GRAD * W x) with x all ones: FP16_GRAD in every element, every rank

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _train import build_dmuon, global_batches, local_rows, loss_of
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of
 
 import dmuon
 from dmuon.testing import run
@@ -59,8 +59,8 @@ BLOWN = "model.layers.1.mlp.up_proj.weight"
 def _blown_update(rank, world):
     """One matrix's NS overflows (its group's coefficients grow it by 1e100 an
     iteration) on its owner only: its gradient, and every other rank's, is finite."""
-    from _model import build_model, get_config, muon_predicate
-    from _train import HPARAMS
+    from helpers.model import build_model, get_config, muon_predicate
+    from helpers.train import HPARAMS
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -100,7 +100,7 @@ FP16_ELEMENT = 1.0e3  # 256 elements: the sum is 2.56e5, past fp16's largest fin
 
 
 def _fp16_steps(rank, world):
-    from _model import dedicated_fp16_matrix
+    from helpers.model import dedicated_fp16_matrix
 
     model = dedicated_fp16_matrix(world)
     opt = dmuon.Muon(model, lr=1e-3, ns_dtype=torch.float32)

@@ -11,8 +11,8 @@ import math
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
-from _train import (
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
     HPARAMS,
     fp64_newton_schulz,
     global_batches,
@@ -166,7 +166,7 @@ def test_normuon_matches_the_float64_reference(layout):
 
 def test_plain_muon_differs_from_the_normuon_reference():
     """The reference is sensitive to the variant: plain Muon ends elsewhere."""
-    from _train import reference_run
+    from helpers.train import reference_run
 
     plain, _ = reference_run(STEPS)
     ref, _ = reference()

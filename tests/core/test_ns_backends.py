@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from _train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon

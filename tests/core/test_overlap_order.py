@@ -18,9 +18,9 @@ import functools
 
 import pytest
 import torch
-from _collectives import DMuonCollectives
-from _model import ModelConfig, build_model, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from helpers.collectives import DMuonCollectives
+from helpers.model import ModelConfig, build_model, muon_predicate
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon

@@ -10,8 +10,8 @@ import os
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
-from _train import (
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
     HPARAMS,
     build_dmuon,
     global_batches,

@@ -9,8 +9,8 @@ import functools
 
 import pytest
 import torch
-from _model import DecoderLayer, build_model, get_config
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from helpers.model import DecoderLayer, build_model, get_config
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
+from helpers.model import build_model, get_config, muon_predicate
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 

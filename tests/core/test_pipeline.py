@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _pipeline import CONFIG, pp_train
-from _train import reference_run
+from helpers.pipeline import CONFIG, pp_train
+from helpers.train import reference_run
 
 from dmuon.testing import run
 
@@ -166,8 +166,8 @@ CLIP = 0.5
 
 def _reference_norms(steps: int) -> list[float]:
     """Single process, the global batch: the total norm at each step, clipping applied."""
-    from _model import build_model, muon_predicate
-    from _train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
+    from helpers.model import build_model, muon_predicate
+    from helpers.train import global_batches, loss_of, lr_lambda, reference_ns, reference_optimizers
 
     model = build_model(CONFIG, dtype=torch.float64, seed=0)
     named = list(model.named_parameters())
@@ -201,8 +201,8 @@ def test_pp_bytes_are_the_activations_and_their_gradients(schedule, split, micro
     """Per step and stage, on the ledger's pp dim: each micro-batch's activations
     (rows x SEQ x dim float64) sent forward by every stage but the last, and their
     gradients, of the same size, sent backward by every stage but the first."""
-    from _pipeline import DP, SPLITS
-    from _train import GLOBAL_BATCH, SEQ
+    from helpers.pipeline import DP, SPLITS
+    from helpers.train import GLOBAL_BATCH, SEQ
 
     per_micro = (GLOBAL_BATCH // DP // micro) * SEQ * CONFIG.dim * 8
     last = len(SPLITS[split]) - 1
@@ -215,7 +215,7 @@ def test_pp_bytes_are_the_activations_and_their_gradients(schedule, split, micro
 
 
 def _stage_defaults(rank, world):
-    from _model import build_model, muon_predicate
+    from helpers.model import build_model, muon_predicate
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon

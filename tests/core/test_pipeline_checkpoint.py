@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _pipeline import CONFIG, pp_train
-from _train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
+from helpers.pipeline import CONFIG, pp_train
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of, lr_lambda, reference_run
 
 import dmuon
 from dmuon.testing import run
@@ -44,7 +44,7 @@ def reference():
 def _whole_model(rank, world, path):
     """PP 1: the whole model, dmuon.Muon over FSDP 4, resumed from the pipeline's
     checkpoint by the ordinary dmuon.checkpoint.load."""
-    from _train import optimizer_snapshot
+    from helpers.train import optimizer_snapshot
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -114,7 +114,7 @@ def test_a_pp2_checkpoint_loads_bitwise_elsewhere_and_trains_on(saved, reference
 
 
 def _state_dict_round_trip(rank, world):
-    from _pipeline import build
+    from helpers.pipeline import build
 
     from dmuon.full_state import raw_state_dict
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from _train import HPARAMS, local_rows, lr_lambda
+from helpers.train import HPARAMS, local_rows, lr_lambda
 from test_expert_parallel import (
     LAYERS,
     NO_CLIP,

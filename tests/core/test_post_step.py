@@ -9,9 +9,9 @@ import functools
 import pytest
 import torch
 import torch.distributed as dist
-from _model import build_model, get_config
-from _routing import PURE_POLICY, pure_boundaries
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from helpers.model import build_model, get_config
+from helpers.routing import PURE_POLICY, pure_boundaries
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon

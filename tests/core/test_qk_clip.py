@@ -1,5 +1,5 @@
 """QK-clip (``dmuon.Muon(qk_clip=tau)``) against a single-process float64 reference
-written here: torch.optim.Muon + AdamW (tests/_train.py), then the Kimi K2 report's
+written here: torch.optim.Muon + AdamW (tests/helpers/train.py), then the Kimi K2 report's
 per-head rule with this project's GQA split, applied in plain loops to max logits the
 test computes itself (the full causal logit matrix of each attention's input, measured
 in the step's forward). 4 gloo ranks, 10 steps, on Z3 1 x 4 (two micro-batches: the
@@ -15,14 +15,14 @@ import math
 
 import pytest
 import torch
-from _model import apply_rope, build_model, get_config, muon_predicate
-from _qk_clip import (
+from helpers.model import apply_rope, build_model, get_config, muon_predicate
+from helpers.qk_clip import (
     assert_clip_ends_at_tau,
     assert_same_record,
     causal_head_maxima,
     reference_run,
 )
-from _train import (
+from helpers.train import (
     HPARAMS,
     global_batches,
     local_rows,
@@ -179,7 +179,7 @@ def test_clipped_heads_end_at_tau(layout):
 
 def test_without_qk_clip_the_reference_ends_elsewhere():
     """The reference is sensitive to the clip: without it, other params."""
-    from _train import reference_run
+    from helpers.train import reference_run
 
     plain, _ = reference_run(STEPS)
     ref, _ = reference()

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from _model import build_model, get_config
+from helpers.model import build_model, get_config
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -132,7 +132,7 @@ def test_a_padding_mask_and_a_scale_are_folded_into_the_max():
 
 @pytest.mark.parametrize("checkpointing", [None, "non_reentrant", "reentrant"])
 def test_the_pass_runs_once_per_forward_not_in_a_recompute(monkeypatch, checkpointing):
-    """tests/_model.py's model (``record_max_logits``) and an attention through
+    """tests/helpers/model.py's model (``record_max_logits``) and an attention through
     ``dmuon.qk_clip.attention``: one max-logit pass per layer and forward, whatever the
     checkpointing (reentrant's first pass has no grad: its recompute is the one), and the
     record is the unchecked run's."""

@@ -19,8 +19,15 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
-from _model import build_model, get_config, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of, reference_ns, reference_optimizers
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
+    HPARAMS,
+    global_batches,
+    local_rows,
+    loss_of,
+    reference_ns,
+    reference_optimizers,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 

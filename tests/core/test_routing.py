@@ -11,10 +11,10 @@ import json
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder
-from _model import build_model, get_config
-from _routing import PURE_POLICY, pure_boundaries
-from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
+from helpers.collectives import CollectiveRecorder
+from helpers.model import build_model, get_config
+from helpers.routing import PURE_POLICY, pure_boundaries
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon

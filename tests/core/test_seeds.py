@@ -17,8 +17,8 @@ import functools
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of
 from test_tp import _tp_plan
 
 import dmuon

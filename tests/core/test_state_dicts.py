@@ -19,9 +19,9 @@ import functools
 
 import pytest
 import torch
-from _memory import PeakNewBytes
-from _model import build_model, get_config, muon_predicate
-from _train import (
+from helpers.memory import PeakNewBytes
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import (
     build_dmuon,
     global_batches,
     local_rows,

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from _train import (
+from helpers.train import (
     HPARAMS,
     build_model,
     get_config,

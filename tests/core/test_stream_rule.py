@@ -18,8 +18,8 @@ import functools
 
 import pytest
 import torch
-from _model import build_model, get_config, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of
 from torch.distributed.device_mesh import init_device_mesh
 
 import dmuon

@@ -7,9 +7,9 @@ import functools
 
 import pytest
 import torch
-from _collectives import CollectiveRecorder, FuncolBytes
-from _model import build_model, get_config, muon_predicate
-from _train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
+from helpers.collectives import CollectiveRecorder, FuncolBytes
+from helpers.model import build_model, get_config, muon_predicate
+from helpers.train import HPARAMS, global_batches, local_rows, loss_of, lr_lambda, reference_run
 
 import dmuon
 from dmuon.testing import run

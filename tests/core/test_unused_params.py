@@ -10,8 +10,8 @@ import functools
 import pytest
 import torch
 import torch.nn.functional as F
-from _collectives import CollectiveRecorder
-from _train import HPARAMS, reference_ns, reference_optimizers
+from helpers.collectives import CollectiveRecorder
+from helpers.train import HPARAMS, reference_ns, reference_optimizers
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -264,7 +264,7 @@ def test_z3_boundary_without_input_grads_and_a_rank_local_unused_param_accumulat
 
 
 def _collective_order(rank, world):
-    from _collectives import CollectiveRecorder
+    from helpers.collectives import CollectiveRecorder
 
     with CollectiveRecorder() as recorder:
         result = _train_accumulating(rank, world)

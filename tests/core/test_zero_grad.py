@@ -14,7 +14,7 @@ import contextlib
 
 import pytest
 import torch
-from _train import build_dmuon, global_batches, local_rows, loss_of, optimizer_snapshot
+from helpers.train import build_dmuon, global_batches, local_rows, loss_of, optimizer_snapshot
 
 import dmuon
 from dmuon.testing import run

@@ -1,0 +1,2 @@
+"""What the tests share: models and references, servers, traces, faults (test-only
+hooks: production code carries none)."""
