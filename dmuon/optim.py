@@ -9,6 +9,7 @@ import torch
 from . import normuon
 from . import qk_clip as qk_clip_rule
 from .model_state import DedicatedModel, check_dedicated
+from .reference_clip import ReferenceClipMethods
 from .nonfinite import count_nonfinite
 from .ns_schedule import (
     landing_schedule,
@@ -32,7 +33,7 @@ def _apply(p, ortho, group, full_shape) -> None:
     p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(ReferenceClipMethods, torch.optim.Optimizer):
     """Distributed Muon over a model prepared with ``dmuon.dedicate_params``: Muon at
     each matrix's owner, ``torch.optim.AdamW`` on FSDP2 shards for every other param.
 
@@ -112,23 +113,6 @@ class Muon(torch.optim.Optimizer):
     @property
     def ledger(self):
         return self._state.ledger
-
-    def clip_grad_norm_(self, max_norm, *, norm_type=None, error_if_nonfinite=None,
-                        foreach=None, strategy=None):
-        """The reference's method: clip the Muon gradients only (``strategy``, default
-        ``"global_norm"``; ``dmuon.muon_clip``) and keep the ``MuonGradClipStats`` for
-        ``last_muon_grad_clip_stats()``."""
-        from .grads import clip_grad_norm_
-
-        self._last_clip_stats = clip_grad_norm_(
-            self, max_norm, norm_type=2.0 if norm_type is None else norm_type,
-            error_if_nonfinite=bool(error_if_nonfinite), foreach=foreach,
-            strategy=strategy or "global_norm")
-        return self._last_clip_stats
-
-    def last_muon_grad_clip_stats(self):
-        """The ``MuonGradClipStats`` of the last ``clip_grad_norm_`` call (None before)."""
-        return getattr(self, "_last_clip_stats", None)
 
     @torch.no_grad()
     def step(self, closure=None):
