@@ -86,7 +86,8 @@ def build_training(spec: JobSpec, mesh: DeviceMesh | JobMesh, inputs: dict | Non
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
                           hook_boundary_predicate=split.boundary_predicate(model),
-                          plan=plan.partition if plan is not None else None)
+                          plan=plan.partition if plan is not None else None,
+                          param_policy=split.param_policy)
     fsdp = {"mesh": mesh["replicate", "shard"] if hsdp else mesh["shard"],
             "reshard_after_forward": modes["fsdp"] == "z3",
             **({"mp_policy": policy} if policy is not None else {})}
