@@ -424,18 +424,9 @@ def model_ep(model: nn.Module, predicate) -> tuple[frozenset, int]:
     return frozenset(marks), sizes.pop() if sizes else 1
 
 
-def partition(
-    model: nn.Module,
-    *,
-    predicate,
-    shard_size: int,
-    replicate_size: int = 1,
-    hook_boundary_predicate=None,
-    hook_boundary_strict: bool = True,
-    experts=None,
-    ep_size: int = 1,
-    param_policy=None,
-) -> DedicationPlan:
+def partition(model: nn.Module, *, predicate, shard_size: int, replicate_size: int = 1,
+              hook_boundary_predicate=None, hook_boundary_strict: bool = True, experts=None,
+              ep_size: int = 1, param_policy=None) -> DedicationPlan:
     """The plan ``dedicate_params`` would make, without a process group (meta models).
     ``experts``/``ep_size``: what ``shard_experts`` would be given, for a model it has
     not cut (a planner's whole model); a model it has cut carries its own marks.

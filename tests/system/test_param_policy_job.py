@@ -22,7 +22,7 @@ from service.job.plan_document import partition_digest
 from service.job.spec.presets import PRESETS
 
 WORLD, STEPS = 4, 3
-# the guide's policy (docs/guides/pure-dmuon-routing.md, "Routing Policy"), dtypes by
+# the guide's policy (the reference's "Pure DMuon Routing", "Routing Policy"), dtypes by
 # name; master and optimizer in float32, the built-in model's own dtype
 POLICY = {
     "defaults": {"route": "muon", "grad_dtype": None, "master_dtype": "fp32",
