@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _browser import ARTIFACTS, job_page
 from _http import Service
 
 from service.job.models.builtin import build_model
@@ -60,13 +61,22 @@ def svc(tmp_path_factory):
         yield service
 
 
-def test_a_pure_dmuon_job_runs_and_reports_each_route(svc):
+@pytest.fixture(scope="module")
+def job(svc):
     status, job = svc.request("POST", "/v1/jobs", {"spec": SPEC})
     assert status == 201, job
     done = svc.wait_ended(job["id"])
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job['id']}/logs")[1]
+    return job
+
+
+def _names() -> list[str]:
+    return [n for n, _ in build_model(PRESETS["tiny"], device="meta").named_parameters()]
+
+
+def test_a_pure_dmuon_job_runs_and_reports_each_route(svc, job):
     part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
-    names = [n for n, _ in build_model(PRESETS["tiny"], device="meta").named_parameters()]
+    names = _names()
     routes = part["param_groups"]["routes"]
     assert list(routes) == names  # every parameter, in the model's order
     assert {n: r["route"] for n, r in routes.items()} == {n: expected_route(n) for n in names}
@@ -93,3 +103,26 @@ def test_a_pure_dmuon_job_runs_and_reports_each_route(svc):
     assert {r["partition_digest"] for r in records} == {partition_digest(part)}
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in records)
     assert os.path.isdir(os.path.join(svc.env["DMUON_STORAGE"], job["id"], "export"))
+
+
+def test_the_job_page_shows_each_parameters_route(svc, job):
+    """The dashboard's job page: the route counts among the facts, and one row per
+    parameter with its route and dtypes, as the guide's rules give them."""
+    names = _names()
+    counts = {k: sum(expected_route(n) == k for n in names)
+              for k in ("muon", "adamw", "sharded_adamw")}
+    with job_page(svc.url, job["id"], "routes") as (page, facts):
+        page.wait_for_function(f"document.querySelectorAll('#routes tbody tr').length === "
+                               f"{len(names)}")
+        rows = page.evaluate("[...document.querySelectorAll('#routes tbody tr')].map("
+                             "(tr) => [...tr.cells].map((c) => c.textContent))")
+        head = page.evaluate("[...document.querySelectorAll('#routes th')].map("
+                             "(th) => th.textContent)")
+        os.makedirs(ARTIFACTS, exist_ok=True)
+        page.locator("#routes-figure").screenshot(path=os.path.join(ARTIFACTS, "routes.png"))
+    assert f"{counts['muon']} muon, {counts['adamw']} adamw, " \
+        f"{counts['sharded_adamw']} sharded_adamw" in facts, facts
+    assert head[:2] == ["parameter", "route"] and "master" in head, head
+    assert [r[:2] for r in rows] == [[n, expected_route(n)] for n in names]
+    master = head.index("master")
+    assert {r[master] for r in rows} == {"float32"}
