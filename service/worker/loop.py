@@ -82,7 +82,7 @@ def build_training(spec: JobSpec, mesh: DeviceMesh | JobMesh, inputs: dict | Non
     ep_group = _split_experts(inputs["model"], model, split, mesh, ep)
     hsdp = mesh["replicate"].size() > 1
     policy = training_recipe.mp_policy(spec)
-    dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
+    dmuon.dedicate_params(model, mesh["shard"], predicate=split.selected,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
                           hook_boundary_predicate=split.boundary_predicate(model),

@@ -30,10 +30,10 @@ def client(tmp_path_factory):
         yield c
 
 
-def _post(client, policy, **dmuon):
+def _post(client, policy, spec=None, **dmuon):
     spec = {"name": "p", "model": "tiny", "steps": 2, "seq_len": 16, "batch_size": 4,
             "layout": {"replicate": 1, "shard": 2},
-            "dmuon": {"param_policy": policy, **dmuon}}
+            "dmuon": {"param_policy": policy, **dmuon}, **(spec or {})}
     r = client.post("/v1/jobs", json={"spec": spec, "dry_run": True},
                     headers={"Authorization": f"Bearer {TOKEN}"})
     return r.status_code, r.json()
@@ -64,13 +64,17 @@ def test_a_policy_beside_the_regex_rule_is_refused(client):
         ["spec.dmuon.param_policy"], body
 
 
-@pytest.mark.parametrize("policy,says", [
-    ({"defaults": {"route": "muon"}}, "'model.layers.0.input_layernorm.weight' (64,) is "
-                                      "routed to 'muon'"),
-    ({**ROUTES, "defaults": {"master_dtype": "bf16"}}, "master_dtype=torch.bfloat16 differs"),
+@pytest.mark.parametrize("policy,spec,says", [
+    ({"defaults": {"route": "muon"}}, None,
+     "'model.layers.0.input_layernorm.weight' (64,) is routed to 'muon'"),
+    ({**ROUTES, "defaults": {"master_dtype": "bf16"}}, None,
+     "master_dtype=torch.bfloat16 differs"),
+    # the embeddings' dtypes would be FSDP2's mixed precision, which precision sets too
+    ({**ROUTES, "defaults": {"param_dtype": "bf16"}}, {"precision": {"param_dtype": "bfloat16"}},
+     "sets the dtypes of sharded_adamw params ('model.embed_tokens.weight')"),
 ])
-def test_a_policy_the_model_refuses_is_a_422_before_anything_runs(client, policy, says):
-    status, body = _post(client, policy)
+def test_a_policy_the_model_refuses_is_a_422_before_anything_runs(client, policy, spec, says):
+    status, body = _post(client, policy, spec)
     assert status == 422, body
     (entry,) = body["detail"]
     assert entry["field"] == "spec.dmuon.param_policy" and says in entry["message"], entry

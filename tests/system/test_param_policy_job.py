@@ -24,10 +24,10 @@ from service.job.spec.presets import PRESETS
 
 WORLD, STEPS = 4, 3
 # the guide's policy (the reference's "Pure DMuon Routing", "Routing Policy"), dtypes by
-# name; master and optimizer in float32, the built-in model's own dtype
+# name: bf16 compute, float32 masters and optimizer (the built-in model's own dtype)
 POLICY = {
-    "defaults": {"route": "muon", "grad_dtype": None, "master_dtype": "fp32",
-                 "optim_dtype": "float32"},
+    "defaults": {"route": "muon", "param_dtype": "bf16", "grad_dtype": None,
+                 "master_dtype": "fp32", "optim_dtype": "float32"},
     "overrides": [
         {"name": ["embed_tokens", "word_embeddings", "wte", "lm_head"],
          "set": {"route": "sharded_adamw"}},
@@ -84,7 +84,7 @@ def test_a_pure_dmuon_job_runs_and_reports_each_route(svc, job):
     assert {r["route"] for r in routes.values()} == {"muon", "adamw", "sharded_adamw"}
     for name, r in routes.items():  # the defaults' dtypes, no override's
         assert (r["master_dtype"], r["optim_dtype"], r["param_dtype"]) == \
-            ("float32", "float32", None), (name, r)
+            ("float32", "float32", "bfloat16"), (name, r)
         assert r["matched"] == [i for i, o in enumerate(POLICY["overrides"])
                                 if any(t in name for t in (o.get("name") or o["contains"]))]
     # the stored partition: the dedicated params (Muon's and AdamW's at an owner), the
@@ -125,4 +125,4 @@ def test_the_job_page_shows_each_parameters_route(svc, job):
     assert head[:2] == ["parameter", "route"] and "master" in head, head
     assert [r[:2] for r in rows] == [[n, expected_route(n)] for n in names]
     master = head.index("master")
-    assert {r[master] for r in rows} == {"float32"}
+    assert {(r[master], r[head.index("param")]) for r in rows} == {("float32", "bfloat16")}

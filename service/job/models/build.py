@@ -78,8 +78,7 @@ def prepare_on_meta(spec: JobSpec, source: ModelSource, dtype: torch.dtype) -> P
                          adamw_params=spec.dmuon.adamw_params,
                          hook_boundaries=spec.dmuon.hook_boundaries)
     if spec.dmuon.param_policy is not None:
-        split = routed_split(model, split, spec.dmuon.param_policy,
-                             spec.dmuon.hook_boundaries is not None)
+        split = routed_split(model, split, spec)
     return PreparedModel(model, find_blocks(model), split)
 
 

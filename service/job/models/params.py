@@ -66,6 +66,12 @@ class ParamSplit:
         owner."""
         return name in self._muon_set
 
+    def selected(self, name: str, _param=None) -> bool:
+        """What ``dmuon.dedicate_params`` (and ``dmuon.partition``) is given: with a
+        policy every param, which it routes (its sharded_adamw ones left to FSDP2 with
+        their dtypes); else the Muon params."""
+        return self.param_policy is not None or name in self._muon_set
+
     def boundary_predicate(self, model: nn.Module):
         ids = {id(model.get_submodule(b)) for b in self.boundaries}
         return lambda module: id(module) in ids

@@ -5,8 +5,10 @@ planner partitions and the workers dedicate (so the stored plan is the plan that
 
 - ``"muon"`` and ``"adamw"``: dedicated to an owner (the split's predicate); the AdamW
   ones are planned with no Newton-Schulz FLOPs.
-- ``"sharded_adamw"``: left to FSDP2, which steps them with AdamW on its shards in the
-  dtypes of the spec's ``precision`` (FSDP2's ``mp_policy``).
+- ``"sharded_adamw"``: left to FSDP2, which steps them with AdamW on its shards; the
+  dtypes the policy sets for them are FSDP2's ``mp_policy`` for the ``fully_shard``
+  that takes them (the core's rule), else the spec's ``precision`` is, so the two are
+  not both given.
 
 A dedicated param outside every hook boundary (the final norm, called after the
 blocks) gets its own module as one, as the reference's guide advises for terminal
@@ -19,6 +21,7 @@ from torch import nn
 
 from dmuon import planning
 
+from ..spec import JobSpec
 from ..spec.policy_section import ParamPolicySpec
 from .dtypes import DTYPES
 from .params import ParamRuleError, ParamSplit, _owning_block, _with_expert_boundaries
@@ -58,16 +61,27 @@ def _boundaries(model: nn.Module, given: list[str], dedicated: list[str]) -> lis
     return [n for n, _ in model.named_modules() if n in keep]
 
 
-def routed_split(model: nn.Module, split: ParamSplit, policy: ParamPolicySpec,
-                 boundaries_given: bool) -> ParamSplit:
+def _check_fsdp_dtypes(resolved: dict, spec: JobSpec) -> None:
+    sharded = [n for n, pol in resolved.items() if pol.route == "sharded_adamw" and
+               any(getattr(pol, f) is not None for f in ("param_dtype", "grad_dtype",
+                                                         "output_dtype"))]
+    if sharded and spec.precision.mixed:
+        raise ParamRuleError(
+            f"dmuon.param_policy: sets the dtypes of sharded_adamw params ('{sharded[0]}'), "
+            "which FSDP2 runs, and precision sets FSDP2's mixed precision too; give them "
+            "in one of the two")
+
+
+def routed_split(model: nn.Module, split: ParamSplit, spec: JobSpec) -> ParamSplit:
     """``split`` (the derived rule's blocks and boundaries) with the policy's routes; a
     policy the model refuses (a 1-D param routed to Muon, a master dtype the params are
     not built in) is a ``ParamRuleError`` naming ``dmuon.param_policy``."""
-    param_policy = torch_policy(policy)
+    param_policy = torch_policy(spec.dmuon.param_policy)
     try:
         resolved = planning.resolve_policies(model, lambda n, p: True, param_policy)
     except (TypeError, ValueError) as e:
         raise ParamRuleError(f"dmuon.param_policy: {e}") from None
+    _check_fsdp_dtypes(resolved, spec)
     by_route: dict[str, list[str]] = {"muon": [], "adamw": [], "sharded_adamw": []}
     for name, pol in resolved.items():
         by_route[pol.route].append(name)
@@ -75,7 +89,7 @@ def routed_split(model: nn.Module, split: ParamSplit, policy: ParamPolicySpec,
         raise ParamRuleError("dmuon.param_policy: routes every param to sharded_adamw; "
                              "DMuon would dedicate nothing")
     blocks = split.fsdp_units
-    boundaries = split.boundaries if boundaries_given else \
+    boundaries = split.boundaries if spec.dmuon.hook_boundaries is not None else \
         _with_expert_boundaries(model, blocks, by_route["muon"])
     dedicated = [n for n in resolved if resolved[n].route != "sharded_adamw"]
     adamw = [n for n in resolved if resolved[n].route != "muon"]
