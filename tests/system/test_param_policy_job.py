@@ -8,7 +8,8 @@ The routes are checked against the guide's rules computed here, from the model's
 parameter names alone (not from the service's or the core's resolution); the workers
 ran the stored partition (its digest in every record; the core refuses a stored plan
 whose routes the policy it is given does not make), which holds exactly the Muon and
-owner-AdamW params, the latter with no Newton-Schulz FLOPs."""
+owner-AdamW params, the latter with no Newton-Schulz FLOPs; and the policy's bf16 compute
+reached them: DMuon's bytes per step are half the planner's float32 prediction."""
 
 from __future__ import annotations
 
@@ -102,6 +103,17 @@ def test_a_pure_dmuon_job_runs_and_reports_each_route(svc, job):
     # refuses a plan whose routes the policy does not give
     assert {r["partition_digest"] for r in records} == {partition_digest(part)}
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in records)
+    # the policy's bf16 reached the workers: every dedicated param's gathers, reduces and
+    # replicate traffic move 2-byte elements, exactly half of what the planner priced at
+    # precision's float32 (the planner does not read the policy's dtypes; the same job
+    # without param_dtype measured its ledger byte for byte, by hand); the step's own
+    # small collectives (flags, norms) keep their size
+    for r in records:
+        predicted = part["ranks"][r["rank"]]["ledger"]
+        for dim, phases in predicted.items():
+            for phase, n in phases.items():
+                want = n if phase == "step" else n / 2
+                assert r["bytes"][f"{dim}.{phase}"] == want, (r["rank"], dim, phase)
     assert os.path.isdir(os.path.join(svc.env["DMUON_STORAGE"], job["id"], "export"))
 
 
