@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .newton_schulz import ns_flops
+from .routing import owner_adamw, resolve_policies, routed_predicate
 
 # on an expert-parallel 3-D param (``dmuon.shard_experts``): (the layer's experts, EP
 # degree, this rank's EP coordinate); the param holds experts [E/P * ep, E/P * (ep + 1))
@@ -423,28 +424,26 @@ def model_ep(model: nn.Module, predicate) -> tuple[frozenset, int]:
     return frozenset(marks), sizes.pop() if sizes else 1
 
 
-def partition(
-    model: nn.Module,
-    *,
-    predicate,
-    shard_size: int,
-    replicate_size: int = 1,
-    hook_boundary_predicate=None,
-    hook_boundary_strict: bool = True,
-    experts=None,
-    ep_size: int = 1,
-) -> DedicationPlan:
+def partition(model: nn.Module, *, predicate, shard_size: int, replicate_size: int = 1,
+              hook_boundary_predicate=None, hook_boundary_strict: bool = True, experts=None,
+              ep_size: int = 1, param_policy=None) -> DedicationPlan:
     """The plan ``dedicate_params`` would make, without a process group (meta models).
     ``experts``/``ep_size``: what ``shard_experts`` would be given, for a model it has
-    not cut (a planner's whole model); a model it has cut carries its own marks."""
-    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict)
+    not cut (a planner's whole model); a model it has cut carries its own marks.
+    ``param_policy``: as ``dedicate_params`` takes it (``dmuon.routing``): the params it
+    routes to ``"sharded_adamw"`` are left out, those routed to ``"adamw"`` planned on
+    an owner with no NS FLOPs."""
+    policies = resolve_policies(model, predicate, param_policy)
+    predicate, adamw = routed_predicate(predicate, policies), owner_adamw(policies)
+    entries = model_entries(model, predicate, hook_boundary_predicate, hook_boundary_strict,
+                            adamw)
     if experts is None or ep_size == 1:
         ep_params, ep_size = model_ep(model, predicate)
     else:
         ep_params = frozenset(n for n, p in model.named_parameters()
                               if p.ndim == 3 and predicate(n, p) and experts(n, p))
     return plan_from_shapes(entries, shard_size, replicate_size, ep_params=ep_params,
-                            ep_size=ep_size)
+                            ep_size=ep_size, owner_adamw=adamw)
 
 
 class PlanMismatch(ValueError):

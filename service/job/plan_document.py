@@ -71,6 +71,10 @@ class ParamGroups(_Doc):
     adamw: list[str]
     hook_boundaries: list[str]
     adamw_why: dict[str, str]
+    # per param: its route (muon, adamw on an owner, sharded_adamw: FSDP2's) and, with
+    # dmuon.param_policy, that policy's fields (service.job.models.routing); none in a
+    # plan stored before routes
+    routes: dict[str, dict] | None = None
 
 
 class RankPrediction(_Doc):

@@ -82,11 +82,12 @@ def build_training(spec: JobSpec, mesh: DeviceMesh | JobMesh, inputs: dict | Non
     ep_group = _split_experts(inputs["model"], model, split, mesh, ep)
     hsdp = mesh["replicate"].size() > 1
     policy = training_recipe.mp_policy(spec)
-    dmuon.dedicate_params(model, mesh["shard"], predicate=split.predicate,
+    dmuon.dedicate_params(model, mesh["shard"], predicate=split.selected,
                           replicate_mesh=mesh["replicate"] if hsdp else None,
                           reshard_after_forward=modes["dmuon"] == "z3",
                           hook_boundary_predicate=split.boundary_predicate(model),
-                          plan=plan.partition if plan is not None else None)
+                          plan=plan.partition if plan is not None else None,
+                          param_policy=split.param_policy)
     fsdp = {"mesh": mesh["replicate", "shard"] if hsdp else mesh["shard"],
             "reshard_after_forward": modes["fsdp"] == "z3",
             **({"mp_policy": policy} if policy is not None else {})}

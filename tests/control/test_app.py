@@ -145,9 +145,9 @@ def test_prometheus_counts_jobs_by_status(svc):
     ('{"spec":{"optimizer":{"lr":1e999}},"dry_run":true}', "spec.optimizer.lr"),
     ('{"spec":{"optimizer":{"lr":NaN}},"dry_run":true}', "spec.optimizer.lr"),
     ('{"spec":{"optimizer":{"ns_coefficients":[3.4,-4.7,1e999]}},"dry_run":true}',
-     "spec.optimizer.ns_coefficients.2"),
+     "spec.optimizer.ns_coefficients[2]"),
     ('{"spec":{"optimizer":{"adamw_betas":[0.9,NaN]}},"dry_run":true}',
-     "spec.optimizer.adamw_betas.1"),
+     "spec.optimizer.adamw_betas[1]"),
     ('{"spec":{"resources_per_worker":{"custom":{"tpu":1e999}}},"dry_run":true}',
      "spec.resources_per_worker.custom.tpu"),
     # not a float, but a refusal that reads two fields: named by the one to change

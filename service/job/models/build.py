@@ -15,6 +15,7 @@ from ..spec.model_section import builtin_config
 from .attention_logits import enable_qk_clip
 from .builtin import build_model, init_builtin
 from .params import ParamSplit, find_blocks, split_params
+from .routing import routed_split
 from .source import ModelSource
 
 
@@ -76,6 +77,8 @@ def prepare_on_meta(spec: JobSpec, source: ModelSource, dtype: torch.dtype) -> P
     split = split_params(model, muon_params=spec.dmuon.muon_params,
                          adamw_params=spec.dmuon.adamw_params,
                          hook_boundaries=spec.dmuon.hook_boundaries)
+    if spec.dmuon.param_policy is not None:
+        split = routed_split(model, split, spec)
     return PreparedModel(model, find_blocks(model), split)
 
 

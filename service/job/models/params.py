@@ -55,20 +55,37 @@ class ParamSplit:
     boundaries: list[str] = field(default_factory=list)  # hook boundaries (module FQNs)
     fsdp_units: list[str] = field(default_factory=list)  # fully_shard per module
     reasons: dict[str, str] = field(default_factory=dict)  # param FQN -> why AdamW
+    # dmuon.param_policy (service.job.models.routing): the AdamW params on an owner, each
+    # param's route and policy, and the policy as dmuon.dedicate_params takes it
+    owner_adamw: list[str] = field(default_factory=list)
+    routes: dict[str, dict] = field(default_factory=dict)
+    param_policy: dict | None = None
 
     def predicate(self, name: str, _param=None) -> bool:
+        """Whether DMuon dedicates ``name``: a Muon param, or one routed to AdamW on an
+        owner."""
         return name in self._muon_set
+
+    def selected(self, name: str, _param=None) -> bool:
+        """What ``dmuon.dedicate_params`` (and ``dmuon.partition``) is given: with a
+        policy every param, which it routes (its sharded_adamw ones left to FSDP2 with
+        their dtypes); else the Muon params."""
+        return self.param_policy is not None or name in self._muon_set
 
     def boundary_predicate(self, model: nn.Module):
         ids = {id(model.get_submodule(b)) for b in self.boundaries}
         return lambda module: id(module) in ids
 
     def __post_init__(self):
-        self._muon_set = set(self.muon)
+        self._muon_set = set(self.muon) | set(self.owner_adamw)
 
     def to_dict(self) -> dict:
+        """The plan's ``param_groups``; ``routes``: each param's route (without a policy:
+        muon, or sharded_adamw for FSDP2's AdamW) and its policy's fields."""
+        routes = self.routes or {**{n: {"route": "muon"} for n in self.muon},
+                                 **{n: {"route": "sharded_adamw"} for n in self.adamw}}
         return {"muon": self.muon, "adamw": self.adamw, "hook_boundaries": self.boundaries,
-                "adamw_why": self.reasons}
+                "adamw_why": self.reasons, "routes": routes}
 
 
 def _owning_block(name: str, blocks: list[str]) -> str | None:

@@ -192,10 +192,10 @@ def _model_and_plan(spec: JobSpec, source, layout: Layout):
     if ep != layout.ep:  # ep: auto, which only the model answers
         layout = layout.replace(ep=ep)
     check_ep_boundaries(model, split, ep)
-    plan = dmuon.partition(model, predicate=split.predicate, shard_size=layout.shard,
+    plan = dmuon.partition(model, predicate=split.selected, shard_size=layout.shard,
                            replicate_size=layout.replicate,
                            hook_boundary_predicate=split.boundary_predicate(model),
-                           experts=is_expert, ep_size=ep)
+                           experts=is_expert, ep_size=ep, param_policy=split.param_policy)
     annotate(plan, view.splits, T)
     return model, split, plan, view, moe, layout
 

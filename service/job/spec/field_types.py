@@ -13,6 +13,7 @@ from typing import Annotated, Literal, Union
 from pydantic import (
     AfterValidator,
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Discriminator,
     Field,
@@ -82,6 +83,21 @@ Beta = Annotated[float, Strict(), Field(ge=0, lt=1)]
 Betas = Annotated[tuple[Beta, Beta], Field(strict=False)]
 Coefficients = Annotated[tuple[Real, Real, Real], Field(strict=False)]
 DtypeName = Literal["bfloat16", "float16", "float32", "float64"]
+# the short names the reference's policies use, as the spec's dtype names
+DTYPE_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+                 "float": "float32", "fp64": "float64", "double": "float64"}
+
+
+def _dtype_name(value):
+    if isinstance(value, str) and value not in DTYPE_ALIASES and \
+            value not in ("bfloat16", "float16", "float32", "float64"):
+        raise ValueError(f"unknown dtype {value[:32]!r}: one of bfloat16 (bf16), float16 "
+                         "(fp16), float32 (fp32), float64 (fp64)")
+    return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
+
+
+# a dtype by its name or short name (``bf16``), kept as its name
+DtypeAlias = Annotated[DtypeName, BeforeValidator(_dtype_name)]
 
 
 class StrictModel(BaseModel):

@@ -215,8 +215,15 @@ def known_max_seq_len(model) -> int | None:
 
 
 def field_path(loc) -> str:
-    """``spec.model.dim``: a location as the user wrote it, without union tags."""
-    return ".".join(str(p) for p in loc if not str(p).startswith("<"))
+    """``spec.model.dim``, ``spec.dmuon.param_policy.overrides[0].name``: a location as
+    the user wrote it, without union tags."""
+    path = ""
+    for p in loc:
+        if isinstance(p, int):
+            path += f"[{p}]"
+        elif not str(p).startswith("<"):
+            path += f".{p}" if path else str(p)
+    return path
 
 
 _NAMED = re.compile(r"(?:Value error, )?([a-z_][a-z0-9_]*((?:\.[a-z0-9_]+)*))(?=(\s*[:=])|\s|$)")

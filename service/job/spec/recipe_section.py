@@ -10,6 +10,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from .field_types import DtypeName, Regex, StrictModel, text
+from .policy_section import ParamPolicySpec
 from .tracking_section import MlflowSpec, WandbSpec
 
 JOB_ID = r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}"  # the store's ids (service.control.auth.JOB_ID)
@@ -147,6 +148,10 @@ class DMuonSpec(StrictModel):
     adamw_params: Regex | None = Field(None, description="FQN regex: these get AdamW")
     hook_boundaries: Regex | None = Field(None, description="module FQN regex of the hook "
                                                             "boundaries (default: the blocks)")
+    param_policy: ParamPolicySpec | None = Field(
+        None, description="pure DMuon: every param routed to muon, adamw (on an owner) or "
+                          "sharded_adamw (FSDP2) by the reference's param_policy; replaces "
+                          "muon_params and adamw_params")
 
     def fsdp_mode(self, dmuon_mode: str) -> str:
         """FSDP2's mode ("z2" or "z3") when DMuon runs in ``dmuon_mode``."""
@@ -163,3 +168,11 @@ class DMuonSpec(StrictModel):
             raise ValueError(f"{', '.join(moved)} moved to the optimizer section "
                              f"(optimizer.{moved[0]}), with dmuon.Muon's other options")
         return data
+
+    @model_validator(mode="after")
+    def _one_rule(self):
+        both = [f for f in ("muon_params", "adamw_params") if getattr(self, f) is not None]
+        if self.param_policy is not None and both:
+            raise ValueError(f"dmuon.param_policy: routes every param itself; leave out "
+                             f"dmuon.{both[0]} (or the policy)")
+        return self
