@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from dmuon.newton_schulz import ns_flops
+from dmuon import ns_flops
 
 from ..layout import Layout
 from ..models.dtypes import DTYPES
