@@ -40,10 +40,12 @@ class Layout:
     nodes: int
     tp: int = 1
     ep: int = 1
-    pp: int = 1  # pipeline stages: room for them, refused above 1 until they exist
+    pp: int = 1  # pipeline stages, outermost: pp x replicate x shard x tp
     workers_per_node: int | None = None  # None: the world over the hosts (old documents)
     micro_batches: int | None = None
     rows_per_micro: int | None = None
+    pp_schedule: str = "1f1b"  # 1f1b, interleaved or gpipe (the spec's layout.pp_schedule)
+    pp_stages_per_rank: int = 1  # v: the interleaved schedule's stages on each pp rank
 
     def __post_init__(self):
         for name in ("replicate", "shard", "nodes", "tp", "ep", "pp"):
@@ -59,11 +61,17 @@ class Layout:
                 v is not None and v < 1 for v in (self.micro_batches, self.rows_per_micro)):
             raise PlacementError(f"a batch split of {self.micro_batches} micro-batches of "
                                  f"{self.rows_per_micro} rows", "global_batch_tokens")
+        if self.pp_enabled and self.micro_batches is not None \
+                and self.micro_batches < self.pp:
+            raise PlacementError(
+                f"global_batch_tokens: {self.micro_batches} micro-batches per step, fewer "
+                f"than layout.pp={self.pp} stages: every stage needs a micro-batch in flight "
+                "(raise global_batch_tokens or lower batch_size)", "global_batch_tokens")
 
     def _check_degrees(self) -> None:
-        if self.pp > 1:
-            raise PlacementError(f"layout.pp={self.pp}: pipeline parallelism is not "
-                                 "supported yet", "layout.pp")
+        if (self.pp_stages_per_rank > 1) != (self.pp_schedule == "interleaved"):
+            raise PlacementError(f"layout.pp_stages_per_rank={self.pp_stages_per_rank} with "
+                                 f"pp_schedule {self.pp_schedule}", "layout.pp_stages_per_rank")
         if self.shard % self.ep:
             raise PlacementError(f"layout.ep = {self.ep} does not divide the shard size "
                                  f"N = {self.shard}: the EP group is P consecutive shard "
@@ -121,19 +129,32 @@ class Layout:
         return self.micro_batches, self.rows_per_micro
 
     @property
+    def stage_ranks(self) -> int:
+        """The ranks holding one pipeline stage: R x N x T (the world without pp)."""
+        return self.replicate * self.shard * self.tp
+
+    def stage_of(self, rank: int) -> int:
+        """The pp coordinate of ``rank``: pp is the outermost mesh dim."""
+        return rank // self.stage_ranks
+
+    @property
     def mesh_dim_names(self) -> tuple[str, ...]:
-        """The workers' mesh dims: ("replicate", "shard"), with "tp" under TP."""
-        return ("replicate", "shard") + (("tp",) if self.tp_enabled else ())
+        """The workers' mesh dims: ("replicate", "shard"), with "tp" under TP and "pp"
+        outermost under PP (torchtitan's order: pp, replicate, shard, tp)."""
+        return (("pp",) if self.pp_enabled else ()) + ("replicate", "shard") + (
+            ("tp",) if self.tp_enabled else ())
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
-        """(R, N), or (R, N, T) under tensor parallelism: the workers' mesh and records."""
-        return (self.replicate, self.shard) + ((self.tp,) if self.tp_enabled else ())
+        """(R, N), (R, N, T) under tensor parallelism, (pp, R, N[, T]) under pipeline
+        parallelism: the workers' mesh and records."""
+        return (((self.pp,) if self.pp_enabled else ()) + (self.replicate, self.shard)
+                + ((self.tp,) if self.tp_enabled else ()))
 
     def shown(self) -> str:
-        """``2 x 4``, ``2 x 2 x 2``, ``1 x 4, ep 2``: the mesh as the CLI and the
-        dashboard print it, with the EP degree where experts are split."""
-        mesh = " x ".join(map(str, self.mesh_shape))
+        """``2 x 4``, ``2 x 2 x 2``, ``1 x 4, ep 2``, ``pp 4 x 1 x 8 x 8``: the mesh as
+        the CLI and the dashboard print it, with the EP degree where experts are split."""
+        mesh = ("pp " if self.pp_enabled else "") + " x ".join(map(str, self.mesh_shape))
         return f"{mesh}, ep {self.ep}" if self.ep_enabled else mesh
 
     def replace(self, **changes) -> Layout:

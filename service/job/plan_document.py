@@ -168,6 +168,10 @@ class PlanDocument(_Doc):
     # an elastic job: every node count of its range, smallest first; the fields above
     # are the largest runnable one's, the layout Ray Train asks for first
     elastic: list[ElasticLayout] | None = None
+    # a pipeline-parallel layout (pp > 1): the stage split and per pp rank its ranks,
+    # stages, NS load, memory and pp bytes (service.job.plan.pipeline_plan); planned,
+    # not yet run by workers
+    pipeline: dict | None = None
 
     _layout = field_validator("layout", mode="before")(stored_layout)
 

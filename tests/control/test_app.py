@@ -360,7 +360,8 @@ def test_cli_submit_status_plan_cancel(svc, tmp_path):
     assert "SUCCEEDED" in cli("status", job_id).stdout
     assert json.loads(cli("plan", str(spec), "--json").stdout)["layout"] == {
         "replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1,  # what readers had
-        "pp": 1, "workers_per_node": 4, "micro_batches": 1, "rows_per_micro": 4}
+        "pp": 1, "workers_per_node": 4, "micro_batches": 1, "rows_per_micro": 4,
+        "pp_schedule": "1f1b", "pp_stages_per_rank": 1}
     pending = cli("submit", str(spec)).stdout.split()[0]
     assert cli("cancel", pending).stdout.strip() == "STOPPED"
     spec.write_text("model: tiny\nsteps: 0\n")

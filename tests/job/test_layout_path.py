@@ -72,7 +72,8 @@ def test_a_document_stored_before_the_layout_carried_hosts_and_batch_loads():
     ({"replicate": 2, "shard": 3, "nodes": 2, "workers_per_node": 2},
      "layout.shard"),  # 6 workers over 2 hosts of 2
     ({"replicate": 1, "shard": 4, "nodes": 1, "ep": 3}, "layout.ep"),
-    ({"replicate": 1, "shard": 1, "nodes": 1, "pp": 2}, "layout.pp"),
+    ({"replicate": 1, "shard": 1, "nodes": 1, "pp": 2, "micro_batches": 1,
+      "rows_per_micro": 1}, "global_batch_tokens"),  # fewer micro-batches than stages
     ({"replicate": 1, "shard": 2, "nodes": 1, "tp": 3, "workers_per_node": 4},
      "layout.tp"),
     ({"replicate": 1, "shard": 2, "nodes": 1, "micro_batches": 2}, "global_batch_tokens"),

@@ -91,6 +91,15 @@ def plan(spec: JobSpec, request: Request):
     return JSONResponse(planned.model_dump(mode="json"))
 
 
+def _refuse_unrunnable(planned: PlanDocument) -> None:
+    """A layout the workers cannot run yet: pipeline parallelism is planned (POST
+    /v1/plan, ``plan``) but no worker runs its stages."""
+    if planned.layout.pp_enabled:
+        raise HTTPException(422, [{"field": "spec.layout.pp", "message": (
+            f"layout.pp={planned.layout.pp}: pipeline parallelism is planned by `plan`, not "
+            "yet run by workers; submit with layout.pp: 1")}])
+
+
 @admin.post("/v1/jobs", status_code=201, max_body_size=SPEC_BYTES)
 def submit(body: JobSubmission, request: Request, response: Response,
            idempotency_key: Annotated[text(256) | None, Header()] = None):
@@ -110,6 +119,7 @@ def submit(body: JobSubmission, request: Request, response: Response,
             raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
         model_inputs = inputs["model"]
     planned = _plan(request, body.spec, model_inputs)
+    _refuse_unrunnable(planned)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
         body.spec.name, spec, dry_run=body.dry_run, plan=planned.model_dump(mode="json"),
@@ -145,6 +155,7 @@ def register(body: Registration, request: Request):
         raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
     _check_on_ray(state.runner, job_id)
     planned = _plan(request, body.spec, _model_inputs(request, body.spec))
+    _refuse_unrunnable(planned)
     plan = planned.model_dump(mode="json")
     token = secrets.token_urlsafe(32)
     job = state.store.register_job(job_id, body.spec.name, body.spec.model_dump(mode="json"),

@@ -131,6 +131,7 @@ function showFacts(job) {
     optimizer: optimizerText(job.spec),
     ...(eta ? { ETA: eta } : {}),
     ...layoutFacts(job),
+    ...pipelineFacts(p.pipeline),
   };
   document.getElementById("job-facts").innerHTML = Object.entries(facts)
     .map(([k, v]) => `<div><dt>${k}</dt><dd>${esc(v)}</dd></div>`).join("");
@@ -157,15 +158,32 @@ function layoutFacts(job) {
   return facts;
 }
 
+// A pipeline-parallel plan: each stage's layers, pp rank (its ranks) and NS load
+function pipelineFacts(pipe) {
+  if (!pipe) return {};
+  const ranks = pipe.ranks.map((r) => r.ranks.join("-"));
+  return {
+    pipeline: `${pipe.schedule}, ${pipe.micro_batches} micro-batches, bubble `
+      + `${pipe.bubble.toFixed(3)}; slowest stage ${pipe.slowest_s.toFixed(3)} s `
+      + `(by layer count ${pipe.by_count.slowest_s.toFixed(3)} s)`,
+    stages: pipe.stages.map((s) => `${s.stage}: layers ${s.layers[0]}-${s.layers[1] - 1}`
+      + `${s.embedding ? " + embedding" : ""}${s.head ? " + head" : ""} on ranks `
+      + `${ranks[s.pp_rank]}, NS ${(s.ns_flops_per_owner / 1e12).toFixed(2)} TFLOP/owner`)
+      .join("; "),
+  };
+}
+
 // R x N (replicate x shard), or R x N x T (replicate x shard x tp) under tensor
 // parallelism, and the EP degree where experts are split; a plan stored before them has
 // no tp or ep
 function meshText(layout, named = true) {
   const tp = layout.tp || 1;
   const ep = layout.ep || 1;
-  const dims = [layout.replicate, layout.shard, ...(tp > 1 ? [tp] : [])].join(" x ")
-    + (ep > 1 ? `, ep ${ep}` : "");
-  return named ? `${dims} (replicate x shard${tp > 1 ? " x tp" : ""})` : dims;
+  const pp = layout.pp || 1;
+  const dims = [...(pp > 1 ? [pp] : []), layout.replicate, layout.shard,
+    ...(tp > 1 ? [tp] : [])].join(" x ") + (ep > 1 ? `, ep ${ep}` : "");
+  return named ? `${dims} (${pp > 1 ? "pp x " : ""}replicate x shard${tp > 1 ? " x tp" : ""})`
+    : dims;
 }
 
 // each rank's label: its number and (r,s) or (r,s,t) coordinate, and its EP coordinate

@@ -56,24 +56,45 @@ def parser() -> argparse.ArgumentParser:
                     help="tensor-parallel degree T (layout.tp), or auto")
     ap.add_argument("--ep", default="1", type=_degree,
                     help="expert-parallel degree P (layout.ep), or auto")
+    ap.add_argument("--pp", default="1", type=_degree,
+                    help="pipeline-parallel degree (layout.pp), or auto: planned, not yet "
+                         "run by workers")
+    ap.add_argument("--pp-schedule", default="1f1b", help="1f1b, interleaved or gpipe")
+    ap.add_argument("--micro-batches", type=int, default=None,
+                    help="micro-batches per step per data-parallel rank (default: 1, "
+                         "2 x pp with --pp)")
     ap.add_argument("--ranks", type=int, default=8, help="rows to print (0: all)")
     return ap
+
+
+def _global_batch(args, seq_len: int, tp) -> dict:
+    """``global_batch_tokens`` for ``--micro-batches`` (or 2 x pp with ``--pp``) on the
+    data-parallel ranks the nodes leave over tp and pp."""
+    pp = args.pp if isinstance(args.pp, int) else 1
+    micros = args.micro_batches or (2 * pp if pp > 1 or args.pp == "auto" else None)
+    if micros is None:
+        return {}
+    T = tp if isinstance(tp, int) else 1
+    dp = max(1, args.nodes * args.gpus_per_node // (T * pp))
+    return {"global_batch_tokens": micros * args.batch_size * seq_len * dp}
 
 
 def _spec_maker(args, model):
     """The spec for a TP degree, the rest as the arguments say."""
     precision = {"master_dtype": args.master_dtype, "param_dtype": args.param_dtype,
                  "reduce_dtype": args.reduce_dtype}
+    seq_len = args.seq_len or model.default_seq_len()
 
     def spec_for(tp):
-        return parse_spec({
+        return parse_spec({**_global_batch(args, seq_len, tp),
             "model": model.spec, "precision": precision, "batch_size": args.batch_size,
-            "seq_len": args.seq_len or model.default_seq_len(),
+            "seq_len": seq_len,
             "activation_checkpointing":
                 "non_reentrant" if args.activation_checkpointing else "none",
             "dmuon": {**({"mode": args.mode} if args.mode else {}),
                       "device_memory_gb": args.device_memory_gb, **model.dmuon},
-            "layout": {"tp": tp, "ep": args.ep},
+            "layout": {"tp": tp, "ep": args.ep, "pp": args.pp,
+                       "pp_schedule": args.pp_schedule},
             "resources_per_worker": {"CPU": 1, "GPU": 1}})
     return spec_for
 
@@ -83,6 +104,8 @@ def plan(args) -> int:
     spec_for = _spec_maker(args, model)
     spec = spec_for(args.tp)
     meta = MetaModel(spec, model.source)
+    if args.pp != 1:
+        return pipeline(spec, args, meta)
     bandwidth = {"nvlink": args.nvlink_gbps * 1e9, "infiniband": args.ib_gbps * 1e9}
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
                         bandwidth=bandwidth, model_inputs=meta)
@@ -100,6 +123,30 @@ def plan(args) -> int:
           f"{m.device_bytes / GB:.0f} GB")
     print(communicators_line(placement.layout))
     return 0 if fits else 1
+
+
+def pipeline(spec, args, meta) -> int:
+    """``--pp``: the pipeline plan (the stage split, each pp rank's ranks, stages, NS
+    load, memory and pp bytes); planned, not yet run by workers."""
+    from ..plan_document import PlanDocument
+    from .make import pipeline_document
+
+    nodes = synthetic_inventory(args.nodes, args.gpus_per_node)
+    doc = pipeline_document(spec, nodes, {"source": "assumed", "nodes": args.nodes,
+                                          "gpus_per_node": args.gpus_per_node}, meta)
+    if doc is None:  # pp: auto, and pp 1 fits
+        args.pp = 1
+        return plan(args)
+    assert isinstance(doc, PlanDocument)
+    print("\n".join(pipeline_lines(doc.model_dump(mode="json"))))
+    return 0 if doc.modes.fits else 1
+
+
+def pipeline_lines(plan: dict) -> list[str]:
+    """A pipeline plan for a terminal: the verdict, the split, each stage and pp rank."""
+    from .stages import pipeline_text
+
+    return pipeline_text(plan)
 
 
 def communicators_line(layout) -> str:

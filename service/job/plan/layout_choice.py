@@ -16,7 +16,7 @@ from .inventory import NodeInfo
 
 __all__ = ["Layout", "PlacementError", "batch_split", "check_fits", "choose_layout",
            "fsdp2_rows", "layout_of", "nodes_and_workers", "scaling_kwargs", "slots",
-           "spec_tp"]
+           "spec_pp", "spec_tp"]
 
 MAX_WORKERS = 16384  # per job: far past any cluster we plan for, and a plan stays quick
 
@@ -39,20 +39,28 @@ def slots(node: NodeInfo, spec: JobSpec) -> int:
     return 0 if n == math.inf else int(min(n, 1024))
 
 
-def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[int, int]:
-    """(R, N) as the spec factorises the workers into R x N x T (replicate across nodes
-    by default, the T ranks of a tensor-parallel group inside one node)."""
+def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int,
+                pp: int = 1) -> tuple[int, int]:
+    """(R, N) as the spec factorises the workers into pp x R x N x T (replicate across
+    nodes by default, the T ranks of a tensor-parallel group inside one node, the pp
+    stages outermost: across nodes where they divide them)."""
     lay, total = spec.layout, n_nodes * per_node
+    if total % (pp * tp):
+        raise PlacementError(f"layout.pp={pp} x tp={tp} does not divide the {total} workers",
+                             "layout.pp")
     if (lay.replicate is None and lay.shard is None) or per_node % tp:
         # a T that does not divide the node's workers: Layout's check refuses it
-        return n_nodes, max(1, per_node // tp)
-    groups = total // tp
+        if pp == 1:
+            return n_nodes, max(1, per_node // tp)
+        R = n_nodes // pp if n_nodes % pp == 0 else 1
+        return R, total // (pp * tp * R)
+    groups = total // (tp * pp)
     R = lay.replicate or groups // lay.shard
     N = lay.shard or groups // lay.replicate
-    if R * N * tp != total:
-        mesh = f"{R} x {N}" + (f" x {tp}" if tp > 1 else "")
+    if R * N * tp * pp != total:
+        mesh = (f"pp {pp} x " if pp > 1 else "") + f"{R} x {N}" + (f" x {tp}" if tp > 1 else "")
         raise PlacementError(
-            f"{mesh} = {R * N * tp} workers cannot be split evenly over {n_nodes} nodes of "
+            f"{mesh} = {R * N * tp * pp} workers cannot be split evenly over {n_nodes} nodes of "
             f"{per_node} workers ({total} in all)", _mesh_field(spec, tp))
     return R, N  # how shard groups sit on the nodes: Layout's own check
 
@@ -60,6 +68,11 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int) -> tuple[in
 def spec_tp(spec: JobSpec) -> int | None:
     """T as the spec gives it; None for ``tp: auto`` (the planner chooses)."""
     return None if spec.layout.tp == "auto" else spec.layout.tp
+
+
+def spec_pp(spec: JobSpec) -> int | None:
+    """pp as the spec gives it; None for ``pp: auto`` (the planner chooses)."""
+    return None if spec.layout.pp == "auto" else spec.layout.pp
 
 
 def nodes_and_workers(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int]:
@@ -92,17 +105,20 @@ def nodes_and_workers(nodes: list[NodeInfo], spec: JobSpec) -> tuple[int, int]:
     return n_nodes, per_node
 
 
-def choose_layout(nodes: list[NodeInfo], spec: JobSpec, tp: int | None = None) -> Layout:
+def choose_layout(nodes: list[NodeInfo], spec: JobSpec, tp: int | None = None,
+                  pp: int | None = None) -> Layout:
     """The layout on these nodes: T is ``tp``, else the spec's (1 for ``tp: auto``, whose
-    choice is the planner's); P the spec's (1 for ``ep: auto``, which the planner
-    resolves on the model). Refuses uneven or impossible layouts with the reason."""
+    choice is the planner's); pp likewise; P the spec's (1 for ``ep: auto``, which the
+    planner resolves on the model). Refuses uneven or impossible layouts with the reason."""
     n_nodes, per_node = nodes_and_workers(nodes, spec)
     T = tp or spec_tp(spec) or 1
-    return layout_of(spec, n_nodes, per_node, *_factorised(spec, n_nodes, per_node, T), T)
+    PP = pp or spec_pp(spec) or 1
+    return layout_of(spec, n_nodes, per_node, *_factorised(spec, n_nodes, per_node, T, PP),
+                     T, pp=PP)
 
 
 def layout_of(spec: JobSpec, nodes: int, per_node: int, R: int, N: int, T: int,
-              batch: bool = True) -> Layout:
+              batch: bool = True, pp: int = 1) -> Layout:
     """R x N x T on ``nodes`` hosts of ``per_node`` workers, with the spec's EP degree
     and (``batch``) the spec's global batch split over its R x N data-parallel ranks; a
     batch that does not split is refused naming ``global_batch_tokens``."""
@@ -114,7 +130,10 @@ def layout_of(spec: JobSpec, nodes: int, per_node: int, R: int, N: int, T: int,
         except ValueError as e:
             raise PlacementError(str(e), "global_batch_tokens") from None
         split = {"micro_batches": micros, "rows_per_micro": rows}
-    return Layout(R, N, nodes, tp=T, ep=ep, workers_per_node=per_node, **split)
+    lay = spec.layout
+    return Layout(R, N, nodes, tp=T, ep=ep, pp=pp, workers_per_node=per_node,
+                  pp_schedule=lay.pp_schedule, pp_stages_per_rank=lay.stages_per_rank,
+                  **split)
 
 
 def scaling_kwargs(spec: JobSpec, layout: Layout) -> dict:

@@ -20,6 +20,7 @@ from .layout_choice import (
     slots,
     spec_tp,
 )
+from .pipeline_plan import choose_pp, pipeline_placement
 from .predict import MetaModel, Placement, predict
 
 
@@ -55,18 +56,12 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
     model_inputs = MetaModel.of(spec, model_inputs)
     if spec.layout.elastic is not None:
         return elastic_plan(spec, cluster, assumed_cpus, model_inputs)
-    try:
-        if not cluster:
-            raise PlacementError("no Ray cluster attached" if cluster is None else
-                                 "the Ray cluster lists no alive node")
-        layout = choose_layout(cluster, spec)
-        nodes, inventory = cluster, {"source": "cluster", "nodes": len(cluster)}
-    except PlacementError as on_cluster:
-        count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
-        nodes = synthetic_inventory(count, 0, cpus_per_node=assumed_cpus)
-        layout = choose_layout(nodes, spec)
-        inventory = {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
-                     "reason": str(on_cluster)}
+    nodes, inventory = _nodes(spec, cluster, assumed_cpus)
+    if spec.layout.pp != 1:
+        planned = pipeline_document(spec, nodes, inventory, model_inputs)
+        if planned is not None:
+            return planned
+    layout = choose_layout(nodes, spec)
     try:  # tp: auto chooses T on the same nodes
         placement = predict(spec, nodes, model_inputs=model_inputs,
                             layout=layout if spec_tp(spec) else None)
@@ -77,6 +72,44 @@ def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: 
                             "number") from None
         return deferred_document(spec, layout, inventory, f"{type(e).__name__}: {e}")
     return placement_document(placement, inventory)
+
+
+def _nodes(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int):
+    """(the nodes planned on, the inventory saying which): the attached cluster's when
+    the job fits them now, else ``layout.nodes`` assumed nodes, with the reason."""
+    try:
+        if not cluster:
+            raise PlacementError("no Ray cluster attached" if cluster is None else
+                                 "the Ray cluster lists no alive node")
+        choose_layout(cluster, spec)
+        return cluster, {"source": "cluster", "nodes": len(cluster)}
+    except PlacementError as on_cluster:
+        count = spec.layout.nodes if spec.layout.nodes != "auto" else 1
+        return (synthetic_inventory(count, 0, cpus_per_node=assumed_cpus),
+                {"source": "assumed", "nodes": count, "cpus_per_node": assumed_cpus,
+                 "reason": str(on_cluster)})
+
+
+def pipeline_document(spec: JobSpec, nodes: list[NodeInfo], inventory: dict,
+                      meta: MetaModel) -> PlanDocument | None:
+    """The plan of a pipeline-parallel layout: the stage split, each pp rank's ranks,
+    stages, NS load, memory and pp bytes, the mode on the worst one. None for ``pp:
+    auto`` where pp 1 fits (the usual plan then)."""
+    if spec.layout.pp == "auto":
+        try:
+            flat = predict(spec, nodes, model_inputs=meta,
+                           layout=choose_layout(nodes, spec, pp=1) if spec_tp(spec) else None)
+            if flat.modes.fits:
+                return None
+        except (PlacementError, SpecError):
+            pass
+        layout, plan = choose_pp(spec, nodes, meta)
+    else:
+        layout, plan = pipeline_placement(spec, nodes, meta)
+    return PlanDocument(layout=layout, inventory=Inventory(**inventory),
+                        modes=plan.modes.to_dict(),
+                        param_groups=meta.prepared().split.to_dict(),
+                        scaling=scaling_kwargs(spec, layout), pipeline=plan.to_dict())
 
 
 def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,

@@ -5,11 +5,17 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from .field_types import Count, StrictModel, text
 
 _Strict = StrictModel
+
+# the pipeline schedules the planner costs (torch.distributed.pipelining's 1F1B, its
+# interleaved 1F1B and GPipe); zero-bubble ones are refused with why (ZERO_BUBBLE)
+PP_SCHEDULES = ("1f1b", "interleaved", "gpipe")
+ZERO_BUBBLE = ("zb", "zbv", "zero_bubble", "zerobubble", "interleaved_zb",
+               "interleavedzerobubble", "zbvzerobubble", "dualpipev", "dualpipe")
 
 
 class ElasticSpec(_Strict):
@@ -65,7 +71,56 @@ class LayoutSpec(_Strict):
                       "coordinate own its experts DMuon's way. P must divide the shard "
                       "size N and every MoE layer's experts. auto: the largest such P, "
                       "1 for a dense model")
+    pp: Count = Field(1, description="the pipeline-parallel degree: the model's layers "
+                      "split into pp contiguous stages (the embedding on the first, the "
+                      "final norm and the head on the last), outermost on the mesh (pp x "
+                      "replicate x shard x tp), across hosts; R x N x T ranks hold each "
+                      "stage. The planner splits the layers so that the slowest stage's "
+                      "forward + backward and Newton-Schulz step is least. At most the "
+                      "model's layers (a stage holds at least one); a step needs at least "
+                      "pp micro-batches. auto: the smallest pp with which a rank fits. "
+                      "Planned by `plan` (POST /v1/plan), not yet run by workers: a job "
+                      "with pp > 1 is refused at submission")
+    pp_schedule: str = Field("1f1b", description="the pipeline schedule: 1f1b, "
+                             "interleaved (pp_stages_per_rank stages on each rank) or "
+                             "gpipe; zero-bubble schedules are refused (DMuon's stage runs "
+                             "full backward passes only)")
+    pp_stages_per_rank: int | None = Field(None, ge=1, le=16, description="v, the "
+                                           "stages each pipeline rank holds: 1 for 1f1b "
+                                           "and gpipe, at least 2 for interleaved (null: "
+                                           "2 there, else 1)")
     elastic: ElasticSpec | None = Field(None, description="a node range (see ElasticSpec)")
+
+    @field_validator("pp_schedule")
+    @classmethod
+    def _known_schedule(cls, v: str) -> str:
+        name = v.strip().lower().replace("-", "_")
+        if name.replace("_", "") in {z.replace("_", "") for z in ZERO_BUBBLE}:
+            raise ValueError(f"{v!r} is a zero-bubble schedule, which splits each backward "
+                             "into an input pass and a weight pass; dmuon.PipelineStage runs "
+                             "full backward passes only (DMuon reduces a stage's gradients "
+                             "with its last full backward): use 1f1b, interleaved or gpipe")
+        if name not in PP_SCHEDULES:
+            raise ValueError(f"{v!r} is no pipeline schedule: one of {', '.join(PP_SCHEDULES)}")
+        return name
+
+    @model_validator(mode="after")
+    def _stages_per_rank_interleave(self):
+        v = self.pp_stages_per_rank
+        if v is not None and (v > 1) != (self.pp_schedule == "interleaved"):
+            raise ValueError(f"layout.pp_stages_per_rank={v} with "
+                             f"pp_schedule {self.pp_schedule}: interleaved needs at least 2 "
+                             "stages per rank, 1f1b and gpipe hold 1")
+        if self.pp != 1 and self.elastic is not None:
+            raise ValueError("layout.pp cannot be set with layout.elastic: an elastic range "
+                             "varies R only")
+        return self
+
+    @property
+    def stages_per_rank(self) -> int:
+        """v: the spec's, else 2 for interleaved and 1 for the others."""
+        v = self.pp_stages_per_rank
+        return v if v is not None else 2 if self.pp_schedule == "interleaved" else 1
 
     @model_validator(mode="after")
     def _elastic_sets_the_nodes(self):

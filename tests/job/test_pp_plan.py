@@ -1,0 +1,201 @@
+"""The planner under pipeline parallelism (``layout.pp``): the bubble formulas, the stage
+split (every layer once, in order, the embedding first and the head last, the slowest
+stage least, checked by exhaustive search), must-show 6 (with the optimizer step in
+the split a head-heavy model's slowest stage is faster than with layers split by count,
+both figures computed here from the units), the refusals naming their field, the API
+(plan yes, submission no) and the CLI's stages."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+
+from service.job.layout import Layout, PlacementError
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.make import plan_document
+from service.job.plan.stages import Costs, Unit, best_split, bubble, count_split, in_flight
+from service.job.spec import SpecError, parse_spec
+
+ADMIN = "admin-token"
+
+
+@pytest.mark.parametrize("pp,m,v", [(2, 2, 1), (4, 8, 1), (8, 32, 1), (16, 256, 1),
+                                    (4, 8, 2), (8, 16, 4)])
+def test_the_bubble_is_the_schedules_idle_share(pp, m, v):
+    # 1F1B and GPipe: pp-1 idle slots of m+pp-1; interleaved: stages v times as short
+    assert bubble("1f1b", pp, m) == bubble("gpipe", pp, m) == (pp - 1) / (m + pp - 1)
+    assert bubble("interleaved", pp, m, v) == (pp - 1) / (v * m + pp - 1)
+    # 1F1B holds at most pp micro-batches on its first stage, GPipe all m
+    assert [in_flight("1f1b", pp, m, k) for k in range(pp)] == [
+        min(m, pp - k) for k in range(pp)]
+    assert in_flight("gpipe", pp, m, 0) == m
+
+
+def _stage_seconds(units, head, embed, lo, hi, *, tokens, owners, tp=1, ns=True):
+    """A stage's seconds written out here: 3 x forward FLOPs per token x tokens / T at
+    400 TFLOP/s (the head's too, the embedding's 0), plus the NS FLOPs at its busiest
+    owner: the stage's over the owners, at least its largest matrix, over T."""
+    rate, n = 400e12, len(units)
+    fwd = sum(u.fwd_flops for u in units[lo:hi]) + (head.fwd_flops if hi == n else 0) \
+        + (embed.fwd_flops if lo == 0 else 0)
+    t = 3 * fwd * tokens / tp / rate
+    if ns:
+        total = sum(u.ns_flops for u in units[lo:hi])
+        t += max(total / owners, max(u.ns_largest for u in units[lo:hi])) / tp / rate
+    return t
+
+
+def _all_splits(n, k):
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        b = (0, *cuts, n)
+        yield list(zip(b, b[1:]))
+
+
+def _layers(n, seed):
+    import random
+
+    rnd = random.Random(seed)
+    return [Unit(rnd.uniform(1e9, 4e9), rnd.randrange(10**12, 10**13), 10**11, 10**6, 10**3)
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("n,k,seed", [(7, 3, 0), (9, 4, 1), (6, 6, 2), (10, 2, 3)])
+def test_the_split_covers_every_layer_once_in_order_and_its_slowest_stage_is_least(n, k, seed):
+    layers = _layers(n, seed)
+    embed, head = Unit(0.0, 0, 0, 0, 10**6), Unit(5e9, 0, 0, 0, 10**6)
+    costs = Costs(embed, layers, head, tokens=4096, owners=8)
+    split = best_split(costs, k)
+    assert len(split) == k and split[0][0] == 0 and split[-1][1] == n
+    assert all(a[1] == b[0] for a, b in zip(split, split[1:]))  # contiguous
+    assert all(lo < hi for lo, hi in split)  # every stage a layer at least
+    assert sorted(i for lo, hi in split for i in range(lo, hi)) == list(range(n))
+
+    def worst(s):
+        return max(_stage_seconds(layers, head, embed, lo, hi, tokens=4096, owners=8)
+                   for lo, hi in s)
+    # the planner's stage cost is the one written above; its split the exhaustive best
+    assert all(costs(lo, hi) == pytest.approx(_stage_seconds(
+        layers, head, embed, lo, hi, tokens=4096, owners=8)) for lo, hi in split)
+    assert worst(split) == pytest.approx(min(worst(s) for s in _all_splits(n, k)))
+    assert count_split(n, k) == [(lo, hi) for lo, hi in count_split(n, k)]
+    sizes = [hi - lo for lo, hi in count_split(n, k)]
+    assert sum(sizes) == n and max(sizes) - min(sizes) <= 1
+
+
+def test_must_show_6_the_step_in_the_split_beats_the_split_by_count():
+    """A head-heavy model: 8 equal layers of a 4096-wide model (12 x 4096^2 matmul
+    weights, NS of four 4096 x 4096 and two 4096 x 11008 matrices at 5 steps of
+    FLOPs 5 x (2mnm + 2m^3 + 2m^2n)), a 256k x 4096 head; 4 stages, 8 owners each."""
+    def ns(m, n):
+        m, n = sorted((m, n))
+        return 5 * (2 * m * n * m + 2 * m ** 3 + 2 * m * m * n)
+    d, f, V = 4096, 11008, 256_000
+    layer_ns = 4 * ns(d, d) + 3 * ns(d, f)
+    layer = Unit(2.0 * (4 * d * d + 3 * d * f) + 2 * 8192 * d, layer_ns, ns(d, f),
+                 4 * d * d + 3 * d * f, 2 * d)
+    layers, embed, head = [layer] * 8, Unit(0.0, 0, 0, 0, V * d), Unit(2.0 * V * d, 0, 0, 0, V * d)
+    tokens, owners = 8 * 8192, 8
+    planner = best_split(Costs(embed, layers, head, tokens=tokens, owners=owners), 4)
+
+    def worst(split, ns=True):
+        return max(_stage_seconds(layers, head, embed, lo, hi, tokens=tokens, owners=owners,
+                                  ns=ns) for lo, hi in split)
+    by_count = [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert count_split(8, 4) == by_count
+    exhaustive = min(worst(s) for s in _all_splits(8, 4))
+    assert worst(planner) == pytest.approx(exhaustive)
+    assert worst(planner) < worst(by_count)  # the head's stage gets fewer layers
+    assert planner[-1][1] - planner[-1][0] < 2
+    print(f"slowest stage: split with the step {worst(planner):.4f} s, "
+          f"by count {worst(by_count):.4f} s")
+
+
+def _spec(layout: dict, **extra):
+    return {"model": "tiny", "batch_size": 2, "global_batch_tokens": 2 * 64 * 4 * 2,
+            "layout": layout, "resources_per_worker": {"CPU": 1, "GPU": 1}, **extra}
+
+
+def test_a_zero_bubble_schedule_is_refused_naming_the_field_and_why():
+    with pytest.raises(SpecError) as e:
+        parse_spec(_spec({"pp": 2, "pp_schedule": "ZBV"}))
+    assert e.value.fields[0].startswith("spec.layout.pp_schedule:"), e.value.fields
+    assert "zero-bubble" in str(e.value) and "full backward" in str(e.value)
+    with pytest.raises(SpecError) as e:
+        parse_spec(_spec({"pp": 2, "pp_schedule": "1f1b", "pp_stages_per_rank": 2}))
+    assert "layout.pp_stages_per_rank" in str(e.value)
+    assert parse_spec(_spec({"pp": 2, "pp_schedule": "interleaved"})) \
+        .layout.stages_per_rank == 2
+
+
+def test_more_stages_than_layers_and_too_few_micro_batches_are_refused():
+    nodes = synthetic_inventory(2, 4)
+    with pytest.raises(SpecError) as e:  # tiny has 2 layers
+        plan_document(parse_spec(_spec({"pp": 4, "nodes": 2}, global_batch_tokens=2 * 64 * 2 * 4)),
+                      nodes, 4)
+    assert str(e.value).startswith("layout.pp:"), e.value
+    with pytest.raises(PlacementError) as e:  # 1 micro-batch per step, 2 stages
+        plan_document(parse_spec(_spec({"pp": 2, "nodes": 2}, global_batch_tokens=2 * 64 * 4,
+                                       resources_per_worker={"CPU": 1})), nodes, 4)
+    assert e.value.field == "global_batch_tokens", e.value
+    with pytest.raises(PlacementError) as e:
+        Layout(1, 4, 2, pp=2, micro_batches=1, rows_per_micro=2)
+    assert e.value.field == "global_batch_tokens"
+
+
+def test_a_pipeline_layout_orders_pp_outermost_and_names_each_ranks_stage():
+    lay = Layout(2, 4, 4, tp=2, pp=2, workers_per_node=8, micro_batches=4, rows_per_micro=1)
+    assert lay.world_size == 2 * 2 * 4 * 2
+    assert lay.mesh_dim_names == ("pp", "replicate", "shard", "tp")
+    assert lay.mesh_shape == (2, 2, 4, 2)
+    assert [lay.stage_of(r) for r in (0, 15, 16, 31)] == [0, 0, 1, 1]
+    spec = parse_spec(_spec({"pp": 2, "nodes": 2}))
+    doc = plan_document(spec, synthetic_inventory(2, 4), 4)
+    pipe = doc.pipeline
+    assert doc.layout.pp == 2 and doc.layout.world_size == 8
+    assert [r["ranks"] for r in pipe["ranks"]] == [[0, 3], [4, 7]]
+    assert [s["layers"] for s in pipe["stages"]] == [[0, 1], [1, 2]]
+    assert pipe["stages"][0]["embedding"] and pipe["stages"][-1]["head"]
+    assert all(s["ns_flops_per_owner"] > 0 for s in pipe["stages"])
+    # one host per stage: the boundary crosses InfiniBand; m x rows x seq x dim x bf16
+    assert pipe["stages"][0]["link_next"] == "infiniband"
+    # 1024 tokens over 4 data-parallel ranks of 2 rows of 64: 2 micro-batches
+    assert doc.layout.micro_batches == 2
+    elt = {"float32": 4, "bfloat16": 2}[spec.precision.compute]
+    assert pipe["ranks"][0]["pp_bytes"] == {"forward": 2 * 2 * 64 * 64 * elt, "backward": 0}
+    assert pipe["ranks"][1]["pp_bytes"] == {"forward": 0, "backward": 2 * 2 * 64 * 64 * elt}
+    assert pipe["bubble"] == (2 - 1) / (2 + 2 - 1)
+
+
+def test_the_api_plans_a_pipeline_and_refuses_to_submit_it(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from service.control.app import create_app
+    from service.control.settings import Settings
+
+    settings = Settings(api_token=ADMIN, db=os.path.join(tmp_path, "dmuon.db"),
+                        storage=str(tmp_path))
+    spec = _spec({"pp": 2, "nodes": 1, "workers_per_node": 2},
+                 global_batch_tokens=2 * 64 * 1 * 2, resources_per_worker={"CPU": 1})
+    auth = {"Authorization": f"Bearer {ADMIN}"}
+    with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
+        planned = client.post("/v1/plan", json=spec, headers=auth)
+        assert planned.status_code == 200, planned.text
+        assert [s["pp_rank"] for s in planned.json()["pipeline"]["stages"]] == [0, 1]
+        for body in ({"spec": spec}, {"spec": spec, "dry_run": True}):
+            refused = client.post("/v1/jobs", json=body, headers=auth)
+            assert refused.status_code == 422, refused.text
+            (error,) = refused.json()["detail"]
+            assert error["field"] == "spec.layout.pp", error
+            assert "planned by `plan`, not yet run by workers" in error["message"]
+
+
+def test_the_cli_plan_with_pp_prints_each_stage(capsys):
+    from service.job.plan.__main__ import main
+
+    assert main(["--model", "tiny", "--nodes", "2", "--gpus-per-node", "4", "--pp", "2",
+                 "--seq-len", "64", "--micro-batches", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "pp 2 x 1 x 4 x 1" in out and "bubble 0.200" in out  # (2-1)/(4+2-1)
+    assert "emb + 0-0" in out and "1-1 + head" in out and "NS TFLOP/owner" in out
