@@ -262,12 +262,12 @@ def test_metric_ingest_refuses_wrong_types_unknown_jobs_and_other_jobs_tokens(sv
     path = f"/v1/jobs/{job['id']}/metrics"
     status, body = svc.request("POST", path, [{"job_id": job["id"], "step": "one",
                                                "rank": 0, "memory": {"x": "big"}}])
-    assert status == 422 and set(_fields(body)) == {"0.step", "0.memory.x"}
+    assert status == 422 and set(_fields(body)) == {"[0].step", "[0].memory.x"}
     status, _ = svc.request("POST", "/v1/jobs/dmuon-000000000000/metrics",
                             [{"job_id": "dmuon-000000000000", "step": 1, "rank": 0}])
     assert status == 404
     status, body = svc.request("POST", path, [{"job_id": "other", "step": 1, "rank": 0}])
-    assert status == 422 and _fields(body) == ["0.job_id"]
+    assert status == 422 and _fields(body) == ["[0].job_id"]
     assert svc.request("POST", path, [], token="not-this-jobs-token")[0] == 401
     too_many = [{"job_id": job["id"], "step": s, "rank": 0} for s in range(1001)]
     assert svc.request("POST", path, too_many)[0] == 422

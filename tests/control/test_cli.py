@@ -422,7 +422,8 @@ def test_plan_json_is_the_plan_document(svc, tmp_path):
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(proc.stdout)
     placement = _cpu_plan(PLANNED, 4)
-    assert doc["layout"] == {"replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1}
+    mesh = {"replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1, "pp": 1}
+    assert {k: doc["layout"][k] for k in mesh} == mesh
     assert doc["ranks"] == json.loads(json.dumps([r.__dict__ for r in placement.ranks]))
     assert doc["modes"] == placement.modes.to_dict()
 

@@ -101,8 +101,8 @@ def test_a_degree_that_runs_is_planned_as_r_x_n_x_t(svc):
     status, job = _submit(svc, {"model": "tiny", "layout": {"tp": 2}})
     assert status == 201, job
     status, part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")
-    assert status == 200 and part["layout"] == {"replicate": 1, "shard": 2, "nodes": 1,
-                                                "tp": 2, "ep": 1}
+    mesh = {"replicate": 1, "shard": 2, "nodes": 1, "tp": 2, "ep": 1, "pp": 1}
+    assert status == 200 and {k: part["layout"][k] for k in mesh} == mesh
     assert [r["coord"] for r in part["ranks"]] == [[0, 0, 0], [0, 0, 1], [0, 1, 0],
                                                    [0, 1, 1]]
     assert part["tp_size"] == 2 and "tp" in part["ranks"][0]["ledger"]

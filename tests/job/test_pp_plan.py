@@ -15,7 +15,7 @@ import pytest
 from service.job.layout import Layout, PlacementError
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.make import plan_document
-from service.job.plan.stages import Costs, Unit, best_split, bubble, count_split, in_flight
+from service.job.plan.stage_split import Costs, Unit, best_split, bubble, count_split, in_flight
 from service.job.spec import SpecError, parse_spec
 
 ADMIN = "admin-token"

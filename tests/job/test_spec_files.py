@@ -204,8 +204,9 @@ def test_a_toml_spec_plans_and_submits_through_the_cli(svc, tmp_path):
     env = {"DMUON_URL": svc.url, "DMUON_API_TOKEN": svc.token}
     planned = _cli("plan", str(path), "--json", **env)
     assert planned.returncode == 0, planned.stderr
-    assert json.loads(planned.stdout)["layout"] == {"replicate": 2, "shard": 2, "nodes": 1,
-                                                   "tp": 1, "ep": 1}
+    mesh = {"replicate": 2, "shard": 2, "nodes": 1, "tp": 1, "ep": 1, "pp": 1}
+    layout = json.loads(planned.stdout)["layout"]
+    assert {k: layout[k] for k in mesh} == mesh
     submitted = _cli("submit", str(path), "--dry-run", **env)
     assert submitted.returncode == 0, submitted.stderr
     status, job = svc.request("GET", f"/v1/jobs/{submitted.stdout.strip()}")

@@ -195,7 +195,7 @@ def traffic_table(ranks: list[dict]) -> list[str]:
 def plan_text(plan: dict) -> str:
     """``dmuon-svc plan``'s answer for a terminal (``--json`` gives the document)."""
     if plan.get("pipeline"):  # a pipeline-parallel layout: its stages and pp ranks
-        from service.job.plan.stages import pipeline_text
+        from service.job.plan.stage_split import pipeline_text
 
         return "\n".join(pipeline_text(plan))
     lines = plan_summary(plan)

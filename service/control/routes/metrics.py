@@ -20,7 +20,7 @@ def post_metrics(job_id: JobId, records: Records, request: Request):
     store = request.app.state.store
     if store.job_status(job_id) is None:
         raise HTTPException(404, f"no job {job_id!r}")
-    wrong = [{"field": f"{i}.job_id", "message": f"a record of {r.job_id!r}, posted to "
+    wrong = [{"field": f"[{i}].job_id", "message": f"a record of {r.job_id!r}, posted to "
                                                  f"{job_id!r}"}
              for i, r in enumerate(records) if r.job_id != job_id]
     if wrong:

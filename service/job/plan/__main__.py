@@ -144,7 +144,7 @@ def pipeline(spec, args, meta) -> int:
 
 def pipeline_lines(plan: dict) -> list[str]:
     """A pipeline plan for a terminal: the verdict, the split, each stage and pp rank."""
-    from .stages import pipeline_text
+    from .stage_split import pipeline_text
 
     return pipeline_text(plan)
 

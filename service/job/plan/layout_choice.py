@@ -45,7 +45,7 @@ def _factorised(spec: JobSpec, n_nodes: int, per_node: int, tp: int,
     nodes by default, the T ranks of a tensor-parallel group inside one node, the pp
     stages outermost: across nodes where they divide them)."""
     lay, total = spec.layout, n_nodes * per_node
-    if total % (pp * tp):
+    if total % (pp * tp) and per_node % tp == 0:  # else Layout names layout.tp
         raise PlacementError(f"layout.pp={pp} x tp={tp} does not divide the {total} workers",
                              "layout.pp")
     if (lay.replicate is None and lay.shard is None) or per_node % tp:

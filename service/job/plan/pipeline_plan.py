@@ -23,7 +23,7 @@ from ..models.dtypes import DTYPES
 from ..models.experts import experts_per_token, is_expert
 from ..spec import JobSpec, SpecError
 from .modes import HEADROOM, activation_bytes, decide
-from .stages import Costs, Unit, best_split, bubble, count_split, in_flight, slowest
+from .stage_split import Costs, Unit, best_split, bubble, count_split, in_flight, slowest
 
 
 def model_units(model, split, blocks: list[str], spec: JobSpec) -> tuple[Unit, list[Unit], Unit]:
