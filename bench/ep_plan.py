@@ -76,7 +76,7 @@ class Planner:
         try:
             return predict(spec(self.config, {"nodes": hosts, "tp": 1, **layout},
                                 global_rows=global_rows),
-                           synthetic_inventory(hosts, GPUS_PER_HOST), model_inputs=self.meta)
+                           synthetic_inventory(hosts, GPUS_PER_HOST), model_source=self.meta)
         finally:
             self.seconds.append(time.perf_counter() - t0)
 

@@ -119,7 +119,7 @@ def local_cpus(spec, given: int | None = None) -> int:
     return max(os.cpu_count() or 1, math.ceil(workers * spec.resources_per_worker.CPU))
 
 
-def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocument:
+def plan_to_run(spec, plan: PlanDocument | None, model_source: dict) -> PlanDocument:
     """The plan the workers run: the stored one, once the live cluster is seen to hold it
     (else PlacementError with the reason), completed here when the control plane could
     not build the model (a factory from the job's working_dir); or one made now."""
@@ -132,10 +132,10 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     nodes = inventory_from_ray()
     if plan is None or (plan.elastic is not None and not plan.complete):
         if spec.layout.elastic is not None:
-            made = elastic_plan(spec, nodes, 0, model_inputs)
+            made = elastic_plan(spec, nodes, 0, model_source)
             return made if plan is None else made.model_copy(
-                update={"completed_by": "entrypoint", "inventory": plan.inventory})
-        placement = predict(spec, nodes, model_inputs=model_inputs)
+                update={"completed_by": "driver", "inventory": plan.inventory})
+        placement = predict(spec, nodes, model_source=model_source)
         return placement_document(placement, {"source": "cluster", "nodes": len(nodes)})
     plan = with_batch_splits(spec, plan)  # a document stored before layouts carried it
     if plan.elastic is not None:  # Ray Train waits for the range's smallest count of nodes
@@ -144,9 +144,9 @@ def plan_to_run(spec, plan: PlanDocument | None, model_inputs: dict) -> PlanDocu
     check_fits(plan.layout, spec, nodes)
     if plan.complete:
         return plan
-    placement = predict(spec, nodes, model_inputs=model_inputs, layout=plan.layout)
+    placement = predict(spec, nodes, model_source=model_source, layout=plan.layout)
     completed = placement_document(placement, plan.inventory.model_dump())
-    return completed.model_copy(update={"completed_by": "entrypoint"})
+    return completed.model_copy(update={"completed_by": "driver"})
 
 
 def run_job(spec, *, job_id: str, storage: str, plan: dict | None = None,

@@ -16,6 +16,7 @@ import json
 from typing import Literal
 
 from pydantic import (
+    AliasChoices,
     BaseModel,
     ConfigDict,
     Field,
@@ -66,7 +67,8 @@ class Modes(_Doc):
     fits: bool
 
 
-class ParamGroups(_Doc):
+class OptimizerSplit(_Doc):
+    """Which params Muon steps and which AdamW does, the hook boundaries and why."""
     muon: list[str]
     adamw: list[str]
     hook_boundaries: list[str]
@@ -159,12 +161,16 @@ class PlanDocument(_Doc):
     inventory: Inventory
     scaling: Scaling
     modes: Modes | None = None
-    param_groups: ParamGroups | None = None
+    # stored as ``param_groups`` before 2026-12-05: such documents still load
+    optimizer_split: OptimizerSplit | None = Field(
+        None, validation_alias=AliasChoices("optimizer_split", "param_groups"))
     ranks: list[RankPrediction] = []
     partition: dict | None = None  # dmuon.DedicationPlan.to_dict()
     # a model only the job's own processes can import: the entrypoint plans it, once
     deferred: str | None = None
-    completed_by: Literal["entrypoint"] | None = None
+    # who completed a deferred plan: the driver ("entrypoint" in documents before
+    # 2026-12-05, read as "driver")
+    completed_by: Literal["driver"] | None = None
     # an elastic job: every node count of its range, smallest first; the fields above
     # are the largest runnable one's, the layout Ray Train asks for first
     elastic: list[ElasticLayout] | None = None
@@ -174,6 +180,11 @@ class PlanDocument(_Doc):
     pipeline: dict | None = None
 
     _layout = field_validator("layout", mode="before")(stored_layout)
+
+    @field_validator("completed_by", mode="before")
+    @classmethod
+    def _driver(cls, value):
+        return "driver" if value == "entrypoint" else value
 
     @property
     def complete(self) -> bool:

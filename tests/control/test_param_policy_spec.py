@@ -84,7 +84,7 @@ def test_a_dry_run_stores_each_params_route(client):
     status, job = _post(client, ROUTES)
     assert status == 201, job
     part = client.get(f"/v1/jobs/{job['id']}/partition").json()
-    routes = {n: r["route"] for n, r in part["param_groups"]["routes"].items()}
+    routes = {n: r["route"] for n, r in part["optimizer_split"]["routes"].items()}
     assert routes["model.embed_tokens.weight"] == routes["lm_head.weight"] == "sharded_adamw"
     assert routes["model.norm.weight"] == routes["model.layers.1.input_layernorm.weight"] \
         == "adamw"

@@ -38,7 +38,7 @@ def planned(spec):
     """The planner on 4 CPUs, with the spec's model resolved as a submission does."""
     model = getattr(spec.model, "config", None)
     source = ModelSource(kind="hf", config=model) if model else BUILTIN
-    return predict(spec, cpus(), model_inputs=source)
+    return predict(spec, cpus(), model_source=source)
 
 
 @pytest.mark.parametrize("layout,ep", [

@@ -68,6 +68,19 @@ def test_a_document_stored_before_the_layout_carried_hosts_and_batch_loads():
     assert {"replicate", "shard", "nodes", "tp", "ep"} <= set(plan.model_dump()["layout"])
 
 
+def test_a_document_stored_with_the_old_names_loads_under_the_new():
+    """``param_groups`` (the stored split) and ``completed_by: entrypoint`` were the
+    names before 2026-12-05; a stored document keeps loading."""
+    plan = plan_document(spec_of(CASES["2-D"][0]), synthetic_inventory(2, 0, cpus_per_node=2), 2)
+    new = plan.model_dump(mode="json")
+    old = {k: v for k, v in new.items() if k != "optimizer_split"}
+    old.update(param_groups=new["optimizer_split"], completed_by="entrypoint")
+    loaded = PlanDocument.model_validate(old)
+    assert new["optimizer_split"]["muon"] and loaded.optimizer_split == plan.optimizer_split
+    assert loaded.completed_by == "driver"
+    assert "param_groups" not in loaded.model_dump(mode="json")
+
+
 @pytest.mark.parametrize("fields,field", [
     ({"replicate": 2, "shard": 3, "nodes": 2, "workers_per_node": 2},
      "layout.shard"),  # 6 workers over 2 hosts of 2

@@ -78,7 +78,7 @@ def _names() -> list[str]:
 def test_a_pure_dmuon_job_runs_and_reports_each_route(svc, job):
     part = svc.request("GET", f"/v1/jobs/{job['id']}/partition")[1]
     names = _names()
-    routes = part["param_groups"]["routes"]
+    routes = part["optimizer_split"]["routes"]
     assert list(routes) == names  # every parameter, in the model's order
     assert {n: r["route"] for n, r in routes.items()} == {n: expected_route(n) for n in names}
     # the three routes all occur: the tiny model has embeddings, a head, norms, matrices

@@ -113,7 +113,7 @@ def test_hf_models_through_rest_match_the_reference(svc, name):
     dcp = os.path.join(svc.env["DMUON_STORAGE"], job["id"], "dcp")
     assert sorted(os.listdir(dcp)) == ["step_000010"]  # every 4, the last kept, the final
     part = _ran_the_stored_partition(svc, job["id"])
-    groups = part["param_groups"]
+    groups = part["optimizer_split"]
     assert set(groups["muon"]) | set(groups["adamw"]) == set(want)
     assert {k for k in want if ".layers." in k and want[k].ndim >= 2
             and not k.endswith("mlp.gate.weight")} == set(groups["muon"])
@@ -159,7 +159,7 @@ def _spec_of_user_job() -> dict:
 
 
 def _user_model_split(plan: dict, wrapped: str = "") -> None:
-    groups = plan["param_groups"]
+    groups = plan["optimizer_split"]
     assert sorted(groups["muon"]) == sorted(
         f"transformer.h.{i}.{wrapped}{m}.weight" for i in range(2)
         for m in ("attn.c_attn", "attn.c_proj", "c_fc", "c_proj"))
@@ -225,7 +225,7 @@ def test_user_model_through_rest_with_an_uploaded_working_dir(svc):
     assert done["status"] == "SUCCEEDED", svc.request("GET", f"/v1/jobs/{job_id}/logs")[1]
     part = _ran_the_stored_partition(svc, job_id)
     _user_model_split(part, WRAPPED)  # the plan the job completed, stored back
-    assert part["completed_by"] == "entrypoint" and part["deferred"] is None
+    assert part["completed_by"] == "driver" and part["deferred"] is None
     assert part["params"] and part["modes"]["dmuon"] == "z3"
     assert all(WRAPPED in unit for unit in part["params"])
     JOBS["user"] = job_id

@@ -24,7 +24,7 @@ def local_plan(path: str, nodes: int, gpus_per_node: int,
     spec = parse_spec(data)
     source, _ = resolve_model(spec, os.getcwd())  # an hf: path is read from here
     placement = predict(spec, synthetic_inventory(nodes, gpus_per_node),
-                        model_inputs=source)
+                        model_source=source)
     inventory = {"source": "assumed", "nodes": nodes, "gpus_per_node": gpus_per_node,
                  "reason": "given on the command line"}
     return placement_document(placement, inventory).model_dump(mode="json")

@@ -148,7 +148,7 @@ def plan_summary(plan: dict) -> list[str]:
                   f"one rank needs Z2 {si(modes['z2_bytes'], 'B')}, Z3 "
                   f"{si(modes['z3_bytes'], 'B')} of {si(modes['device_bytes'], 'B')} "
                   f"({fits})"]
-    part, groups = plan.get("partition"), plan.get("param_groups")
+    part, groups = plan.get("partition"), plan.get("optimizer_split")
     if part and groups:
         elements = sum(p["numel"] for p in part["params"].values())
         lines.append(f"Muon: {_plural(len(groups['muon']), 'param')}, {elements:,} elements "

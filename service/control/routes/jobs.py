@@ -55,7 +55,7 @@ def _job_or_404(store, job_id: str, with_plan: bool = False) -> dict:
     return job
 
 
-def _model_inputs(request: Request, spec: JobSpec) -> dict:
+def _model_source(request: Request, spec: JobSpec) -> dict:
     try:
         return resolve_model(spec, request.app.state.settings.data_dir())[0]
     except SpecError as e:
@@ -69,7 +69,7 @@ def _field_of(error: Exception) -> str:
     return f"spec.{named}" if named else "spec"
 
 
-def _plan(request: Request, spec: JobSpec, model_inputs: dict) -> PlanDocument:
+def _plan(request: Request, spec: JobSpec, model_source: dict) -> PlanDocument:
     """The plan that will run, on the attached cluster's nodes when it fits them now;
     at most ``max_concurrent_plans`` at a time (each builds a model on the meta device)."""
     state = request.app.state
@@ -77,7 +77,7 @@ def _plan(request: Request, spec: JobSpec, model_inputs: dict) -> PlanDocument:
         raise HTTPException(429, "too many plans at once; retry", headers={"Retry-After": "2"})
     try:
         cluster = state.runner.inventory() if state.runner is not None else None
-        return plan_document(spec, cluster, state.settings.local_cpus, model_inputs)
+        return plan_document(spec, cluster, state.settings.local_cpus, model_source)
     except (PlacementError, ParamRuleError, SpecError) as e:
         raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
     finally:
@@ -87,7 +87,7 @@ def _plan(request: Request, spec: JobSpec, model_inputs: dict) -> PlanDocument:
 @admin.post("/v1/plan", max_body_size=SPEC_BYTES)
 def plan(spec: JobSpec, request: Request):
     """The layout and per-rank predictions for a spec, without a job."""
-    planned = _plan(request, spec, _model_inputs(request, spec))
+    planned = _plan(request, spec, _model_source(request, spec))
     return JSONResponse(planned.model_dump(mode="json"))
 
 
@@ -108,7 +108,7 @@ def submit(body: JobSubmission, request: Request, response: Response,
     state = request.app.state
     inputs = None
     if body.dry_run:
-        model_inputs = _model_inputs(request, body.spec)
+        model_source = _model_source(request, body.spec)
     else:  # every path and size, before anything is stored; the driver runs on them
         try:
             inputs = resolve_inputs(body.spec, state.settings.data_dir(),
@@ -117,8 +117,8 @@ def submit(body: JobSubmission, request: Request, response: Response,
                 runtime_working_dir(state.settings.storage, body.spec.working_dir)
         except (SpecError, PackageError) as e:
             raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
-        model_inputs = inputs["model"]
-    planned = _plan(request, body.spec, model_inputs)
+        model_source = inputs["model"]
+    planned = _plan(request, body.spec, model_source)
     _refuse_unrunnable(planned)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
@@ -154,7 +154,7 @@ def register(body: Registration, request: Request):
     if state.store.job_status(job_id) is not None:  # before planning; the insert checks too
         raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
     _check_on_ray(state.runner, job_id)
-    planned = _plan(request, body.spec, _model_inputs(request, body.spec))
+    planned = _plan(request, body.spec, _model_source(request, body.spec))
     _refuse_unrunnable(planned)
     plan = planned.model_dump(mode="json")
     token = secrets.token_urlsafe(32)
@@ -212,7 +212,7 @@ async def job(job_id: JobId, request: Request):
 def partition(job_id: JobId, request: Request):
     """The stored plan: owner per parameter, per-rank predictions, layout, inventory."""
     planned = _job_or_404(request.app.state.store, job_id, with_plan=True)["plan"]
-    shown = ("inventory", "modes", "param_groups", "deferred", "completed_by")
+    shown = ("inventory", "modes", "optimizer_split", "deferred", "completed_by")
     return JSONResponse({"layout": planned["layout"], **{k: planned.get(k) for k in shown},
                          "ranks": planned["ranks"], **(planned.get("partition") or {}),
                          "elastic": _elastic_table(planned.get("elastic"))})

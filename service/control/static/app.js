@@ -125,7 +125,7 @@ function showFacts(job) {
     "planned on": plannedOn(p.inventory),
     mode: p.modes ? `${p.modes.dmuon} (FSDP2 ${p.modes.fsdp})` : "-",
     imbalance: p.imbalance != null ? p.imbalance.toFixed(4) : "planned by the job",
-    routes: routeCounts(p.param_groups?.routes) || "-",
+    routes: routeCounts(p.optimizer_split?.routes) || "-",
     "last step": job.steps?.size || 0,
     "skipped (non-finite)": skippedSteps(job),
     optimizer: optimizerText(job.spec),

@@ -1,4 +1,4 @@
-// Each parameter's route (the plan's param_groups.routes): muon (Newton-Schulz on an
+// Each parameter's route (the plan's optimizer_split.routes): muon (Newton-Schulz on an
 // owner), adamw (AdamW on an owner: broadcast/reduce) or sharded_adamw (FSDP2's shards),
 // with the dtypes dmuon.param_policy set (a dash: not set, the param's own) and the
 // overrides that matched. A classic script: app.js calls these; esc is app.js's.
@@ -15,7 +15,7 @@ function routeCounts(routes) {
 }
 
 function drawRoutes(partition) {
-  const routes = partition.param_groups?.routes || {};
+  const routes = partition.optimizer_split?.routes || {};
   const figure = document.getElementById("routes-figure");
   figure.hidden = !Object.keys(routes).length;
   const head = ["parameter", "route", ...ROUTE_DTYPES.map((f) => f.replace("_dtype", "")),

@@ -108,7 +108,7 @@ def plan(args) -> int:
         return pipeline(spec, args, meta)
     bandwidth = {"nvlink": args.nvlink_gbps * 1e9, "infiniband": args.ib_gbps * 1e9}
     placement = predict(spec, synthetic_inventory(args.nodes, args.gpus_per_node),
-                        bandwidth=bandwidth, model_inputs=meta)
+                        bandwidth=bandwidth, model_source=meta)
     line, fits = verdict(placement, spec_for, args.gpus_per_node, args.tp, meta, bandwidth)
     print(line)
     table = placement.table().splitlines()

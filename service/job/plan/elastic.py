@@ -22,7 +22,7 @@ def _size(n: float) -> str:
 
 
 def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
-           model_inputs: ModelSource | None | bool) -> tuple[ElasticLayout, dict | None]:
+           model_source: ModelSource | None | bool) -> tuple[ElasticLayout, dict | None]:
     """(node count ``n``'s entry, the Muon/AdamW split it predicted with)."""
     try:
         layout = layout_of(spec, n, per_node, n, per_node // T, T)
@@ -31,9 +31,9 @@ def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
             raise
         layout = layout_of(spec, n, per_node, n, per_node // T, T, batch=False)
         return ElasticLayout(layout=layout, refused=str(e)), None
-    if model_inputs is False:  # deferred: the job's driver predicts it
+    if model_source is False:  # deferred: the job's driver predicts it
         return ElasticLayout(layout=layout), None
-    placement = predict(spec, [node] * n, model_inputs=model_inputs, layout=layout)
+    placement = predict(spec, [node] * n, model_source=model_source, layout=layout)
     layout = placement.layout  # with the EP degree the partition was made for
     modes, refused = placement.modes, None
     if not modes.fits:
@@ -46,36 +46,36 @@ def _entry(spec: JobSpec, node: NodeInfo, n: int, per_node: int, T: int,
 
 
 def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
-                     model_inputs: ModelSource | None | bool = None) -> PlanDocument:
+                     model_source: ModelSource | None | bool = None) -> PlanDocument:
     """The plan of every node count in ``spec.layout.elastic`` on nodes shaped like
-    ``node`` (``model_inputs=False``: layouts and batch splits alone, for a model only
+    ``node`` (``model_source=False``: layouts and batch splits alone, for a model only
     the job can build). Refuses a range with no runnable count, naming each one's reason,
     and one with a count that cannot run between two that can. ``tp: auto``: the
     smallest T (dividing the node's workers) whose range runs."""
     _, per_node = nodes_and_workers([node], spec)
     T = spec_tp(spec)
     if T is not None:
-        return _range_document(spec, node, inventory, model_inputs, per_node, T)
-    if model_inputs is False:
+        return _range_document(spec, node, inventory, model_source, per_node, T)
+    if model_source is False:
         raise SpecError("layout.tp: auto chooses T on the model, which the job alone can "
                         "build; give layout.tp a number")
     refusals = []
     for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
         try:
-            return _range_document(spec, node, inventory, model_inputs, per_node, T)
+            return _range_document(spec, node, inventory, model_source, per_node, T)
         except (SpecError, PlacementError) as e:
             refusals.append(f"T={T}: {str(e).removeprefix('layout.')}")
     raise SpecError("layout.tp: auto: no tensor-parallel degree runs the range: "
                     + "; ".join(refusals))
 
 
-def _range_document(spec: JobSpec, node: NodeInfo, inventory: dict, model_inputs,
+def _range_document(spec: JobSpec, node: NodeInfo, inventory: dict, model_source,
                     per_node: int, T: int) -> PlanDocument:
     if per_node % T:
         raise SpecError(f"layout.tp={T} must divide the {per_node} workers per node: a "
                         "tensor-parallel group never spans nodes")
     rng = spec.layout.elastic
-    made = [_entry(spec, node, n, per_node, T, model_inputs)
+    made = [_entry(spec, node, n, per_node, T, model_source)
             for n in range(rng.min_nodes, rng.max_nodes + 1)]
     runnable = [(e, split) for e, split in made if e.refused is None]
     if not runnable:
@@ -93,5 +93,5 @@ def _range_document(spec: JobSpec, node: NodeInfo, inventory: dict, model_inputs
     scaling.update(min_workers=runnable[0][0].layout.world_size,
                    elastic_resize_monitor_interval_s=rng.resize_check_s)
     return PlanDocument(layout=top.layout, inventory=Inventory(**inventory), scaling=scaling,
-                        modes=top.modes, param_groups=split, ranks=top.ranks,
+                        modes=top.modes, optimizer_split=split, ranks=top.ranks,
                         partition=top.partition, elastic=[e for e, _ in made])

@@ -25,16 +25,16 @@ from .predict import MetaModel, Placement, predict
 
 
 def plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
-                  model_inputs: dict | None = None) -> PlanDocument:
+                  model_source: dict | None = None) -> PlanDocument:
     """``_plan_document`` for this spec and cluster, computed once: submissions come in
     bursts of the same spec (retries, sweeps), and a plan builds a model."""
     key = (spec.model_dump_json(), "mode" in spec.dmuon.model_fields_set,  # its reason
            repr(cluster), assumed_cpus,
-           model_inputs.model_dump_json() if model_inputs is not None else None)
+           model_source.model_dump_json() if model_source is not None else None)
     with _PLANS_LOCK:
         cached = _PLANS.get(key)
     if cached is None:
-        cached = _plan_document(spec, cluster, assumed_cpus, model_inputs).model_dump_json()
+        cached = _plan_document(spec, cluster, assumed_cpus, model_source).model_dump_json()
         with _PLANS_LOCK:
             _PLANS[key] = cached
             while len(_PLANS) > 64:
@@ -47,23 +47,23 @@ _PLANS_LOCK = threading.Lock()
 
 
 def _plan_document(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
-                   model_inputs: dict | None = None) -> PlanDocument:
+                   model_source: dict | None = None) -> PlanDocument:
     """The plan as stored with a job and run by its entrypoint: layout, per-rank
     predictions, the partition, and the nodes it was planned on. Those are the attached
     cluster's when the job fits them now; else (no cluster, or one that must grow first)
     ``layout.nodes`` assumed nodes of ``assumed_cpus`` CPUs, with the reason. The model
     is built on the meta device once, whatever layouts the plan weighs."""
-    model_inputs = MetaModel.of(spec, model_inputs)
+    model_source = MetaModel.of(spec, model_source)
     if spec.layout.elastic is not None:
-        return elastic_plan(spec, cluster, assumed_cpus, model_inputs)
+        return elastic_plan(spec, cluster, assumed_cpus, model_source)
     nodes, inventory = _nodes(spec, cluster, assumed_cpus)
     if spec.layout.pp != 1:
-        planned = pipeline_document(spec, nodes, inventory, model_inputs)
+        planned = pipeline_document(spec, nodes, inventory, model_source)
         if planned is not None:
             return planned
     layout = choose_layout(nodes, spec)
     try:  # tp: auto chooses T on the same nodes
-        placement = predict(spec, nodes, model_inputs=model_inputs,
+        placement = predict(spec, nodes, model_source=model_source,
                             layout=layout if spec_tp(spec) else None)
     except ImportError as e:  # a factory importable only from the job's working_dir
         if spec_tp(spec) is None:
@@ -97,7 +97,7 @@ def pipeline_document(spec: JobSpec, nodes: list[NodeInfo], inventory: dict,
     auto`` where pp 1 fits (the usual plan then)."""
     if spec.layout.pp == "auto":
         try:
-            flat = predict(spec, nodes, model_inputs=meta,
+            flat = predict(spec, nodes, model_source=meta,
                            layout=choose_layout(nodes, spec, pp=1) if spec_tp(spec) else None)
             if flat.modes.fits:
                 return None
@@ -108,15 +108,15 @@ def pipeline_document(spec: JobSpec, nodes: list[NodeInfo], inventory: dict,
         layout, plan = pipeline_placement(spec, nodes, meta)
     return PlanDocument(layout=layout, inventory=Inventory(**inventory),
                         modes=plan.modes.to_dict(),
-                        param_groups=meta.prepared().split.to_dict(),
+                        optimizer_split=meta.prepared().split.to_dict(),
                         scaling=scaling_kwargs(spec, layout), pipeline=plan.to_dict())
 
 
 def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: int,
-                  model_inputs) -> PlanDocument:
+                  model_source) -> PlanDocument:
     """Every node count of the range, on nodes shaped like the cluster's smallest that
     fits a worker (else assumed ones): an elastic job runs on what the cluster holds."""
-    model_inputs = MetaModel.of(spec, model_inputs)  # one build for the range
+    model_source = MetaModel.of(spec, model_source)  # one build for the range
     usable = [n for n in cluster or [] if slots(n, spec) > 0]
     if usable:
         node = min(usable, key=lambda n: slots(n, spec))
@@ -127,7 +127,7 @@ def elastic_plan(spec: JobSpec, cluster: list[NodeInfo] | None, assumed_cpus: in
                      "reason": "no Ray cluster attached" if cluster is None else
                      "no node of the Ray cluster fits a worker"}
     try:
-        return elastic_document(spec, node, inventory, model_inputs)
+        return elastic_document(spec, node, inventory, model_source)
     except ImportError as e:  # a factory importable only from the job's working_dir
         plan = elastic_document(spec, node, inventory, False)
         return plan.model_copy(update={"deferred": f"the model cannot be built here "
@@ -138,7 +138,7 @@ def placement_document(placement: Placement, inventory: dict) -> PlanDocument:
     return PlanDocument(
         layout=placement.layout,
         inventory=Inventory(**inventory), modes=placement.modes.to_dict(),
-        param_groups=placement.split, ranks=[r.__dict__ for r in placement.ranks],
+        optimizer_split=placement.split, ranks=[r.__dict__ for r in placement.ranks],
         partition=placement.plan.to_dict(), scaling=placement.scaling_config_kwargs())
 
 

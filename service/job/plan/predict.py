@@ -206,18 +206,18 @@ def _embedding(model):
 
 def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
             inter_link="infiniband", bandwidth=None,
-            model_inputs: ModelSource | MetaModel | None = None,
+            model_source: ModelSource | MetaModel | None = None,
             layout: Layout | None = None) -> Placement:
     """Choose the layout (``tp: auto``: the smallest T that runs) and the mode, and
     predict what every rank holds and moves per step (DMuon's share from ``dmuon.planning``
     on each TP rank's shards, FSDP2's from the padded shards, TP's from the plan's
     styles). ``layout``: the one chosen already (a stored plan's, an elastic count's)."""
-    model_inputs = MetaModel.of(spec, model_inputs)  # one build for every T tried
+    model_source = MetaModel.of(spec, model_source)  # one build for every T tried
     if layout is None and spec_tp(spec) is None:
         return _choosing_tp(spec, nodes, intra_link=intra_link, inter_link=inter_link,
-                            bandwidth=bandwidth, model_inputs=model_inputs)
+                            bandwidth=bandwidth, model_source=model_source)
     layout = layout or choose_layout(nodes, spec)
-    model, split, plan, view, moe, layout = _model_and_plan(spec, model_inputs, layout)
+    model, split, plan, view, moe, layout = _model_and_plan(spec, model_source, layout)
     R, N, T = layout.replicate, layout.shard, layout.tp
     local = local_plan(plan, view.splits, T)
     others = view.local_shapes(model, [n for n, _ in model.named_parameters()

@@ -59,7 +59,7 @@ def _try(spec: JobSpec, nodes: int, gpus_per_node: int, meta: MetaModel,
          bandwidth: dict) -> Placement | None:
     try:
         return predict(spec, synthetic_inventory(nodes, gpus_per_node),
-                       bandwidth=bandwidth, model_inputs=meta)
+                       bandwidth=bandwidth, model_source=meta)
     except (PlacementError, SpecError):  # a degree the model or the batch refuses
         return None
 
