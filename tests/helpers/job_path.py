@@ -62,6 +62,7 @@ class Trace:
 
     def __init__(self):
         self.files: set[str] = set()
+        self.by_side: dict[str, set[str]] = {}
         self.calls: dict[str, int] = {}
         self._counted = {os.path.join(ROOT, f) for f, _ in COUNTED}
 
@@ -78,11 +79,13 @@ class Trace:
         name = code.co_filename
         if name in self._counted:
             self._count(code)
-        if name in self.files or not name.startswith(TRACED) \
+        side = self.by_side.setdefault(Trace.side, set())
+        if name in side or not name.startswith(TRACED) \
                 or not code.co_flags & inspect.CO_OPTIMIZED:  # a module or class body
             return
         if not _importing(frame.f_back):
             self.files.add(name)
+            side.add(name)
 
     def __enter__(self) -> Trace:
         threading.setprofile(self)
@@ -93,8 +96,8 @@ class Trace:
         sys.setprofile(None)
         threading.setprofile(None)
 
-    def relative(self) -> list[str]:
-        return sorted(os.path.relpath(f, ROOT) for f in self.files)
+    def relative(self, files=None) -> list[str]:
+        return sorted(os.path.relpath(f, ROOT) for f in (self.files if files is None else files))
 
 
 class RayJobs:
@@ -224,7 +227,8 @@ def main(out: str) -> None:
     job_dir = os.path.join(storage, job["id"])
     with open(os.path.join(out, "trace.json"), "w") as fh:
         json.dump({"files": trace.relative(), "job_dir": sorted(os.listdir(job_dir)),
-                   "calls": trace.calls}, fh)
+                   "calls": trace.calls,
+                   "by_side": {k: trace.relative(v) for k, v in trace.by_side.items()}}, fh)
 
 
 if __name__ == "__main__":

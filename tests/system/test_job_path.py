@@ -48,3 +48,12 @@ def test_the_traced_files_are_the_ones_the_docs_list(tmp_path):
     assert set(_path_files()) <= set(files), sorted(set(_path_files()) - set(files))
     # the control plane handed the driver the spec and the plan in the job's directory
     assert {"spec.json", "plan.json", "rank_records", "export"} <= set(trace["job_dir"])
+    # the planner has one home: the control plane plans; the driver only checks the
+    # stored plan against the live cluster (check_fits; with_batch_splits for a
+    # document stored before layouts carried the batch split); the worker plans nothing
+    by_side = trace["by_side"]
+    planner = lambda side: sorted(f for f in by_side[side] if f.startswith("service/job/plan/"))  # noqa: E731
+    assert "service/job/plan/predict.py" in planner("control")
+    assert planner("driver") == ["service/job/plan/layout_choice.py", "service/job/plan/make.py"]
+    assert planner("worker") == []
+
