@@ -243,6 +243,17 @@ def test_tp_auto_takes_the_smallest_degree_the_global_batch_splits_on():
         in p.modes.reason
 
 
+def test_tp_auto_over_an_elastic_range_is_the_same_search():
+    # 2 sequences of 16 per step on 1 or 2 nodes of 4: T = 1 (4 and 8 data-parallel
+    # ranks) runs no count of the range; T = 2 runs 1 node (2 ranks), not 2 (4 ranks)
+    spec = tiny({"tp": "auto", "elastic": {"min_nodes": 1, "max_nodes": 2}},
+                global_batch_tokens=2 * 16, checkpoint={"interval": 1})
+    plan = elastic_document(spec, cpus(1, 4)[0], {"source": "assumed", "nodes": 1})
+    assert [(e.layout.replicate, e.layout.shard, e.layout.tp) for e in plan.elastic] == [
+        (1, 2, 2), (2, 2, 2)]
+    assert [e.refused is None for e in plan.elastic] == [True, False]
+
+
 def test_tp_auto_takes_the_smallest_degree_that_fits_memory():
     def spec(tp):
         return parse_spec({"model": "llama3-8b", "seq_len": 8192, "batch_size": 1,

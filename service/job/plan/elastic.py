@@ -12,7 +12,14 @@ from ..models.source import ModelSource
 from ..plan_document import ElasticLayout, Inventory, PlanDocument
 from ..spec import JobSpec, SpecError
 from .inventory import NodeInfo
-from .layout_choice import PlacementError, layout_of, nodes_and_workers, scaling_kwargs, spec_tp
+from .layout_choice import (
+    PlacementError,
+    layout_of,
+    nodes_and_workers,
+    scaling_kwargs,
+    search_tp,
+    spec_tp,
+)
 from .modes import GB, HEADROOM
 from .predict import needed_bytes, predict
 
@@ -59,14 +66,13 @@ def elastic_document(spec: JobSpec, node: NodeInfo, inventory: dict,
     if model_source is False:
         raise SpecError("layout.tp: auto chooses T on the model, which the job alone can "
                         "build; give layout.tp a number")
-    refusals = []
-    for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
-        try:
-            return _range_document(spec, node, inventory, model_source, per_node, T)
-        except (SpecError, PlacementError) as e:
-            refusals.append(f"T={T}: {str(e).removeprefix('layout.')}")
-    raise SpecError("layout.tp: auto: no tensor-parallel degree runs the range: "
-                    + "; ".join(refusals))
+    made, tried, _ = search_tp(per_node, lambda T: (_range_document(
+        spec, node, inventory, model_source, per_node, T), None),
+        refused=(SpecError, PlacementError))
+    if made is None:
+        raise SpecError("layout.tp: auto: no tensor-parallel degree runs the range: "
+                        + "; ".join(f"T={T}: {why.removeprefix('layout.')}" for T, why in tried))
+    return made
 
 
 def _range_document(spec: JobSpec, node: NodeInfo, inventory: dict, model_source,

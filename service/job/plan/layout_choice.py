@@ -181,3 +181,26 @@ def batch_split(spec: JobSpec, dp_size: int) -> tuple[int, int]:
     share = rows // dp_size
     per_rank = max(d for d in range(1, min(share, spec.batch_size) + 1) if share % d == 0)
     return share // per_rank, per_rank
+
+
+def search_tp(per_node: int, attempt, *, refused=(PlacementError,)):
+    """``layout.tp: auto``'s one search: T over the divisors of a node's workers,
+    smallest first. ``attempt(T)`` returns ``(result, need)``: ``need`` None where the
+    result is good (the search stops there), else the bytes it lacks; a degree it
+    refuses (``refused``) is passed over with its reason. Returns ``(result, tried,
+    fits)``: the first good result, else the one that needs the least (None where
+    every degree was refused); ``tried`` says why each smaller degree was passed over."""
+    tried, best = [], None
+    for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
+        try:
+            result, need = attempt(T)
+        except refused as e:
+            tried.append((T, str(e)))
+            continue
+        if need is None:
+            return result, tried, True
+        tried.append((T, need))
+        if best is None or need < best[1]:
+            best = (result, need)
+    return (best and best[0]), tried, False
+

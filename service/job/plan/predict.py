@@ -33,6 +33,7 @@ from .layout_choice import (
     fsdp2_rows,
     nodes_and_workers,
     scaling_kwargs,
+    search_tp,
     spec_tp,
 )
 from .modes import DEFAULT_CPU_GB, DEFAULT_GPU_GB, GB, ModeChoice, activation_bytes, decide
@@ -352,24 +353,21 @@ def _choosing_tp(spec: JobSpec, nodes: list[NodeInfo], **kwargs) -> Placement:
     fits, the T that needs the least. The choice and the degrees passed over are said
     in the mode's reason."""
     _, per_node = nodes_and_workers(nodes, spec)
-    tried, best = [], None
-    for T in (d for d in range(1, per_node + 1) if per_node % d == 0):
-        try:
-            placement = predict(spec, nodes, layout=choose_layout(nodes, spec, T), **kwargs)
-        except (PlacementError, SpecError) as e:
-            tried.append(f"T={T}: {str(e).removeprefix('layout.tp: ')}")
-            continue
-        need = needed_bytes(placement.modes)
-        if placement.modes.fits:
-            return _with_tp_reason(placement, f"the smallest that fits ({need / GB:.1f} GB "
-                                   "per rank)", tried)
-        tried.append(f"T={T}: a rank needs {need / GB:.1f} GB")
-        if best is None or need < needed_bytes(best.modes):
-            best = placement
+
+    def attempt(T: int):
+        placement = predict(spec, nodes, layout=choose_layout(nodes, spec, T), **kwargs)
+        return placement, None if placement.modes.fits else needed_bytes(placement.modes)
+
+    best, tried, fits = search_tp(per_node, attempt, refused=(PlacementError, SpecError))
+    passed = [f"T={T}: " + (why.removeprefix("layout.tp: ") if isinstance(why, str)
+                            else f"a rank needs {why / GB:.1f} GB") for T, why in tried]
     if best is None:
         raise SpecError("layout.tp: auto: no tensor-parallel degree can run: "
-                        + "; ".join(tried))
-    return _with_tp_reason(best, "none fits; the one that needs the least", tried)
+                        + "; ".join(passed))
+    if fits:
+        return _with_tp_reason(best, "the smallest that fits "
+                               f"({needed_bytes(best.modes) / GB:.1f} GB per rank)", passed)
+    return _with_tp_reason(best, "none fits; the one that needs the least", passed)
 
 
 def _with_tp_reason(placement: Placement, why: str, tried: list[str]) -> Placement:
