@@ -120,7 +120,11 @@ async def _invalid(request: Request, exc: RequestValidationError):
     """422 with one entry per field, by the path the user wrote (``spec.optimizer.lr``);
     never the offending input, which may not be JSON (NaN)."""
     spec_body = request.url.path in SPEC_BODIES
-    detail = [_error_entry(e, exc.body, spec_body) for e in exc.errors()]
+    by_field: dict[str, list[str]] = {}
+    for e in exc.errors():  # a union's members each refuse the one field: one entry
+        entry = _error_entry(e, exc.body, spec_body)
+        by_field.setdefault(entry["field"], []).append(entry["message"])
+    detail = [{"field": f, "message": "; or ".join(dict.fromkeys(m))} for f, m in by_field.items()]
     return JSONResponse({"detail": detail}, status_code=422)
 
 

@@ -23,6 +23,7 @@ from .store import JobStore
 MAX_RECORDS = 1000  # per request
 MAX_STEP = 1 << 40
 Count = Annotated[int, Field(ge=0, le=1 << 62)]
+Schedule = Literal["1f1b", "interleaved", "gpipe"]  # a Layout's pp_schedule
 Number = float | None
 
 
@@ -73,7 +74,7 @@ class StepRecord(BaseModel):
     # R x N (x T) of this run
     layout: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
     # the whole service.job.layout.Layout this rank ran (degrees, hosts, batch split)
-    ran_layout: dict[text(32), Count | None] | None = Field(None, max_length=16)
+    ran_layout: dict[text(32), Count | Schedule | None] | None = Field(None, max_length=16)
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)

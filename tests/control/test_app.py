@@ -3,6 +3,7 @@ PostgreSQL server: the REST surface, and each defect of issue #15 by its exact i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,6 +11,8 @@ import sys
 
 import pytest
 from helpers.service_http import Service, strict_json
+
+from service.job.layout import Layout
 
 TINY = {"model": "tiny", "steps": 5, "layout": {"replicate": 2, "shard": 2}}
 
@@ -271,6 +274,14 @@ def test_metric_ingest_refuses_wrong_types_unknown_jobs_and_other_jobs_tokens(sv
     assert svc.request("POST", path, [], token="not-this-jobs-token")[0] == 401
     too_many = [{"job_id": job["id"], "step": s, "rank": 0} for s in range(1001)]
     assert svc.request("POST", path, too_many)[0] == 422
+    # what a worker sends: the whole Layout it ran, its schedule's name among the counts
+    ran = dataclasses.asdict(Layout(2, 2, 1, pp=2, pp_schedule="gpipe", micro_batches=2,
+                                    rows_per_micro=1, workers_per_node=8))
+    record = {"job_id": job["id"], "step": 1, "rank": 0, "ran_layout": ran}
+    assert svc.request("POST", path, [record])[0] == 200
+    status, body = svc.request("POST", path, [{**record, "ran_layout": {
+        **ran, "pp_schedule": "zb"}}])
+    assert status == 422 and _fields(body) == ["[0].ran_layout.pp_schedule"]
 
 
 def test_a_posted_record_cannot_hide_the_jobs_own(svc, tmp_path):

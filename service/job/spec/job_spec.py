@@ -221,9 +221,20 @@ def field_path(loc) -> str:
     for p in loc:
         if isinstance(p, int):
             path += f"[{p}]"
-        elif not str(p).startswith("<"):
+        elif not _union_tag(str(p)):
             path += f".{p}" if path else str(p)
     return path
+
+
+def _union_tag(part: str) -> bool:
+    """A union member's tag in pydantic's loc (``constrained-int``, ``literal['a']``,
+    ``int``, ``<lambda>``): never a field name, which is an identifier."""
+    return (part.startswith(("<", "constrained-", "function-", "lax-", "json-or-python"))
+            or _TAG_WITH_ARGS.match(part) is not None or part in _SCALAR_TAGS)
+
+
+_TAG_WITH_ARGS = re.compile(r"^[a-z-]+\[")  # literal['a'], nullable[int], list[int]
+_SCALAR_TAGS = {"int", "float", "str", "bool", "none"}
 
 
 _NAMED = re.compile(r"(?:Value error, )?([a-z_][a-z0-9_]*((?:\.[a-z0-9_]+)*))(?=(\s*[:=])|\s|$)")
