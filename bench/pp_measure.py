@@ -36,10 +36,11 @@ def _timed(stage, clock: list) -> None:
 
 
 def _pipeline(mesh, model, predicate):
+    from torch.distributed.pipelining import Schedule1F1B
+
     import dmuon
     from service.job.models.builtin import causal_lm_loss
     from service.job.models.stages import split_stages
-    from torch.distributed.pipelining import Schedule1F1B
 
     p = mesh["pp"].get_local_rank()
     module = split_stages(model, 2)[p]
