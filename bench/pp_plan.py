@@ -281,7 +281,7 @@ instead of 4. The bubble measured is 1 - (the time in the
 stage's own forward and backward chunks) / (the schedule's time), each rank's median
 step: with 4 ranks on 2 cores shared with other work the stages also wait for a core,
 so it mostly reads above the predicted (pp-1)/(m+pp-1), and it and the step times move
-between runs (pp rank 0 read 0.28 to 0.34 over four runs on 2026-12-05; one run
+between runs (pp rank 0 read 0.26 to 0.34 over five runs on 2026-12-05; one run
 recorded). {total:.0f} s for the whole bench."""
 
 
