@@ -1,0 +1,79 @@
+"""Pipeline-parallel jobs in the workers' loop (issue 52, item 5), without the service:
+the plan a submission would store for ``layout.pp: 2`` handed to 4 gloo workers as the
+driver hands it. Each worker reports the Layout it ran (equal to the stored one, field
+by field), the layers of the stage it ran (the stored split), the same loss on every
+rank; and the step-1 loss equals the same job's without pipeline parallelism (the
+same model, seed and rows: the pipeline changes where layers run, not what they
+compute), as does the gradient norm clipping measures."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from helpers.layouts import handed, spec_of, stored
+
+from dmuon.testing import run
+from service.job.job import Job
+from service.job.layout import Layout
+from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.make import plan_document
+
+FIELDS = {"steps": 2, "global_batch_tokens": 64, "dmuon": {"mode": "z2"},
+          "clip_grad_norm": 1.0}
+
+
+def _ran(rank, world, spec: dict, plan_json: str):
+    from service.job.plan_document import PlanDocument
+    from service.worker.loop import run_training
+    from service.worker.mesh import build_mesh
+
+    plan = PlanDocument.model_validate_json(plan_json)
+    records = []
+    run_training(Job.local(spec, plan), build_mesh(plan.layout),
+                 lambda r, p: records.append(r))
+    return [{k: r.get(k) for k in ("loss", "ran_layout", "stage_layers", "schedule",
+                                   "grad_norm")} for r in records]
+
+
+def _plan(fields: dict, monkeypatch, tmp_path, workers: int = 4):
+    spec = spec_of({**FIELDS, **fields})
+    nodes = synthetic_inventory(1, 0, cpus_per_node=workers)
+    return spec, handed(spec, stored(plan_document(spec, nodes, workers)), nodes,
+                        monkeypatch, tmp_path)
+
+
+@pytest.mark.parametrize("model,layout", [
+    ("tiny", {"pp": 2}),
+    ("small-moe", {"pp": 2, "shard": 2, "ep": 2}),
+], ids=["tiny-pp2", "moe-pp2-ep2"])
+def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, monkeypatch, tmp_path):
+    spec, plan = _plan({"model": model, "layout": layout}, monkeypatch, tmp_path)
+    assert plan.layout.pp == 2 and plan.complete
+    split = {s["stage"]: s["layers"] for s in plan.pipeline["stages"]}
+    reports = run(_ran, spec.model_dump(mode="json"), plan.model_dump_json(),
+                  world_size=plan.layout.world_size)
+    for rank, records in enumerate(reports):
+        assert len(records) == spec.steps
+        for r in records:
+            assert Layout(**r["ran_layout"]) == plan.layout
+            assert r["ran_layout"] == dataclasses.asdict(plan.layout)
+            stage = plan.layout.stage_of(rank)
+            assert r["stage_layers"] == {stage: split[stage]}
+            assert r["schedule"] == "Schedule1F1B"
+    for step in range(spec.steps):  # one loss per step, on every rank
+        assert len({records[step]["loss"] for records in reports}) == 1
+    assert reports[0][0]["loss"] > 0
+
+
+def test_the_step_1_loss_is_the_same_jobs_without_pp(monkeypatch, tmp_path):
+    spec, plan = _plan({"model": "tiny", "layout": {"pp": 2}}, monkeypatch, tmp_path)
+    flat_spec, flat = _plan({"model": "tiny", "layout": {"shard": 2}}, monkeypatch,
+                            tmp_path, 2)
+    assert flat.layout.batch == plan.layout.batch and flat.layout.dp_size == 2
+    pp = run(_ran, spec.model_dump(mode="json"), plan.model_dump_json(), world_size=4)
+    ref = run(_ran, flat_spec.model_dump(mode="json"), flat.model_dump_json(), world_size=2)
+    # without PP each rank reports its own rows' loss; the pipeline's is their mean
+    mean = sum(records[0]["loss"] for records in ref) / len(ref)
+    assert pp[0][0]["loss"] == pytest.approx(mean, rel=1e-5)
+    assert pp[0][0]["grad_norm"] == pytest.approx(ref[0][0]["grad_norm"], rel=1e-4)
