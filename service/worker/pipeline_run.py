@@ -50,7 +50,8 @@ SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
 @dataclasses.dataclass
 class Pipeline:
     """This rank's stages (``dmuon.PipelineStage``), the optimizer over them, the
-    schedule, and each stage's layers ``[lo, hi)`` by stage index."""
+    schedule, and each stage's layers ``[lo, hi)`` by stage index (a string: a record's
+    JSON key)."""
 
     stages: list
     opt: dmuon.PipelineMuon
@@ -144,7 +145,7 @@ def build_pipeline(spec: JobSpec, mesh: JobMesh, source, plan, modes: dict) -> P
     schedule = cls(stages if len(stages) > 1 else stages[0], n_microbatches=lay.micro_batches,
                    loss_fn=causal_lm_loss)
     return Pipeline(stages, opt, schedule,
-                    {s.stage_index: list(s.submod.layer_range) for s in stages}, split)
+                    {str(s.stage_index): list(s.submod.layer_range) for s in stages}, split)
 
 
 def pipeline_step(pipe: Pipeline, spec: JobSpec, batches: Batches, step: int,
@@ -189,7 +190,7 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
     progress = context.progress
     progress.update(phase="setup", step=None)
     pipe = build_pipeline(spec, mesh, inputs["model"], job.plan, modes)
-    digests = {s.stage_index: partition_digest(dmuon.get_plan(s.submod).to_dict())
+    digests = {str(s.stage_index): partition_digest(dmuon.get_plan(s.submod).to_dict())
                for s in pipe.stages}
     ran = mesh.ran(dmuon.get_plan(pipe.modules[0]).ep_size, lay.batch)
     dp = DataParallel.of(mesh.device_mesh)
@@ -204,7 +205,7 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
         if job.job_dir and rank == 0 else None
     fixed = dict(coord=mesh.coordinates(), layout=list(lay.mesh_shape),
                  ran_layout=dataclasses.asdict(ran), resumed_from=start,
-                 partition_digest=digests[min(digests)], stage_digests=digests,
+                 partition_digest=digests[str(pipe.stages[0].stage_index)], stage_digests=digests,
                  stage_layers=pipe.layers, schedule=type(pipe.schedule).__name__,
                  node_id=context.node_ids[rank] if context.node_ids else None,
                  node_ip=context.node_ip)
