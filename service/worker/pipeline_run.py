@@ -7,8 +7,8 @@ inside it cut by ``dmuon.shard_experts``), then FSDP2; torch's schedule named by
 ``layout.pp_schedule`` over ``layout.micro_batches``; one ``dmuon.PipelineMuon``.
 
 Each stage's DMuon partition is made here, from the stage module and its mesh: the
-same on every rank of the stage (``dedicate_params`` orders units by FQN and assigns
-owners by a deterministic greedy balance), so the plan stores the stage split, not a
+same on every rank of the stage (``dmuon.partition``'s greedy balance: largest unit
+first, ties by position), so the plan stores the stage split, not a
 partition per stage; every rank reports its stages' partition digests and layers.
 
 Per step every rank reports the same loss (``PipelineMuon.step_loss``: the last stage's
