@@ -43,11 +43,14 @@ def _plan(fields: dict, monkeypatch, tmp_path, workers: int = 4):
                         monkeypatch, tmp_path)
 
 
-@pytest.mark.parametrize("model,layout", [
-    ("tiny", {"pp": 2}),
-    ("small-moe", {"pp": 2, "shard": 2, "ep": 2}),
-], ids=["tiny-pp2", "moe-pp2-ep2"])
-def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, monkeypatch, tmp_path):
+@pytest.mark.parametrize("model,layout,schedule", [
+    ("tiny", {"pp": 2}, "Schedule1F1B"),
+    ("tiny", {"pp": 2, "pp_schedule": "gpipe"}, "ScheduleGPipe"),
+    ("small-moe", {"pp": 2, "shard": 2, "ep": 2}, "Schedule1F1B"),
+    ("small", {"pp": 2, "pp_schedule": "interleaved"}, "ScheduleInterleaved1F1B"),
+], ids=["tiny-pp2", "tiny-pp2-gpipe", "moe-pp2-ep2", "small-pp2-interleaved"])
+def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, schedule, monkeypatch,
+                                                   tmp_path):
     spec, plan = _plan({"model": model, "layout": layout}, monkeypatch, tmp_path)
     assert plan.layout.pp == 2 and plan.complete
     split = {s["stage"]: s["layers"] for s in plan.pipeline["stages"]}
@@ -57,14 +60,14 @@ def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, monkeypatch, t
         assert len(records) == spec.steps
         for r in records:
             # what the control plane stores: its schema (extra fields forbidden) takes it
-            stored_record = StepRecord.model_validate({**r, "job_id": "pp"})
-            assert stored_record.stage_layers == {str(plan.layout.stage_of(rank)):
-                                                  split[plan.layout.stage_of(rank)]}
+            StepRecord.model_validate({**r, "job_id": "pp"})
             assert Layout(**r["ran_layout"]) == plan.layout
             assert r["ran_layout"] == dataclasses.asdict(plan.layout)
-            stage = plan.layout.stage_of(rank)
-            assert r["stage_layers"] == {str(stage): split[stage]}
-            assert r["schedule"] == "Schedule1F1B"
+            # pp rank p holds stages p, p + pp, ... (v of them)
+            p, lay = plan.layout.stage_of(rank), plan.layout
+            mine = range(p, lay.pp * lay.pp_stages_per_rank, lay.pp)
+            assert r["stage_layers"] == {str(i): split[i] for i in mine}
+            assert r["schedule"] == schedule
     for step in range(spec.steps):  # one loss per step, on every rank
         assert len({records[step]["loss"] for records in reports}) == 1
     assert reports[0][0]["loss"] > 0
