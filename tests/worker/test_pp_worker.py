@@ -84,3 +84,36 @@ def test_the_step_1_loss_is_the_same_jobs_without_pp(monkeypatch, tmp_path):
     mean = sum(records[0]["loss"] for records in ref) / len(ref)
     assert pp[0][0]["loss"] == pytest.approx(mean, rel=1e-5)
     assert pp[0][0]["grad_norm"] == pytest.approx(ref[0][0]["grad_norm"], rel=1e-4)
+
+
+def _resumed(rank, world, spec: dict, plan_json: str, ckpt: str):
+    from service.job.plan_document import PlanDocument
+    from service.worker.loop import run_training
+    from service.worker.mesh import build_mesh
+
+    plan = PlanDocument.model_validate_json(plan_json)
+    records = []
+    run_training(Job.local(spec, plan, checkpoint_dir=ckpt), build_mesh(plan.layout),
+                 lambda r, p: records.append(r))
+    return [(r["step"], r["loss"], r["resumed_from"]) for r in records]
+
+
+def test_a_pp_job_resumes_from_its_fqn_keyed_checkpoint(monkeypatch, tmp_path):
+    """3 steps checkpointed each step; the last checkpoint removed, the same job run
+    again resumes from step 2 and its step 3 has the uninterrupted run's loss (the
+    params, the momentum and the step all came back)."""
+    import shutil
+
+    from service.job.job_dir import step_dir
+
+    spec, plan = _plan({"model": "tiny", "layout": {"pp": 2}, "steps": 3,
+                        "checkpoint": {"interval": 1, "keep_last": 3}}, monkeypatch, tmp_path)
+    ckpt = str(tmp_path / "dcp")
+    args = (spec.model_dump(mode="json"), plan.model_dump_json(), ckpt)
+    first = run(_resumed, *args, world_size=4)
+    assert [s for s, _, _ in first[0]] == [1, 2, 3]
+    shutil.rmtree(tmp_path / "dcp" / step_dir(3))
+    again = run(_resumed, *args, world_size=4)
+    for rank in range(4):
+        assert [(s, r) for s, _, r in again[rank]] == [(3, 2)]
+        assert again[rank][0][1] == pytest.approx(first[rank][2][1], rel=1e-6)
