@@ -12,7 +12,8 @@ first, ties by position), so the plan stores the stage split, not a
 partition per stage; every rank reports its stages' partition digests and layers.
 
 Per step every rank reports the same loss (``PipelineMuon.step_loss``: the last stage's
-micro-batch losses over its data-parallel ranks), records as a job without PP does.
+micro-batch losses over its data-parallel ranks), and at ``val_every`` the validation
+loss (the schedule's forward-only ``eval``), records as a job without PP does.
 Checkpoints are FQN-keyed (``dmuon.pipeline_state``): they load on any pp degree. The
 export writes each stage's share of the weights, by FQN (``stage-<i>.safetensors``),
 from the stage's first rank."""
@@ -148,18 +149,39 @@ def build_pipeline(spec: JobSpec, mesh: JobMesh, source, plan, modes: dict) -> P
                     {str(s.stage_index): list(s.submod.layer_range) for s in stages}, split)
 
 
-def pipeline_step(pipe: Pipeline, spec: JobSpec, batches: Batches, step: int,
-                  dp: DataParallel, batch: tuple[int, int]) -> tuple[float, float | None]:
-    """One optimizer step: this rank's ``m`` micro-batches through the schedule; returns
-    (the step's loss, the same on every rank; the grad norm over the pipeline)."""
+def _run_schedule(pipe: Pipeline, batches: Batches, index: int, dp: DataParallel,
+                  batch: tuple[int, int], run) -> list:
+    """Batch ``index``'s ``m`` micro-batches of this rank through ``run`` (the schedule's
+    ``step``, or ``eval``: forward only); the last stage's micro-batch losses."""
     micros, per_rank = batch
-    rows = torch.cat([dp.rows(batches, step, per_rank, i, micros)
+    rows = torch.cat([dp.rows(batches, index, per_rank, i, micros)
                       for i in range(micros)]).to(device())
     losses: list = []
     kwargs = {"target": rows[:, 1:], "losses": losses} \
         if any(s.is_last for s in pipe.stages) else {}
     args = (rows[:, :-1],) if any(s.is_first for s in pipe.stages) else ()
-    pipe.schedule.step(*args, **kwargs)
+    run(*args, **kwargs)
+    return losses
+
+
+@torch.no_grad()
+def pipeline_validation(pipe: Pipeline, spec: JobSpec, batches: Batches, dp: DataParallel,
+                        batch: tuple[int, int]) -> float:
+    """The mean loss of ``val_batches`` batches split as a step's, forward only through
+    the schedule (``eval``), over the data-parallel ranks: a non-PP job's
+    ``validation_loss`` of the same rows (collective over the pipeline)."""
+    total = 0.0
+    for i in range(spec.data.val_batches):
+        total += pipe.opt.step_loss(_run_schedule(pipe, batches, i, dp, batch,
+                                                  pipe.schedule.eval))
+    return total / spec.data.val_batches
+
+
+def pipeline_step(pipe: Pipeline, spec: JobSpec, batches: Batches, step: int,
+                  dp: DataParallel, batch: tuple[int, int]) -> tuple[float, float | None]:
+    """One optimizer step: this rank's ``m`` micro-batches through the schedule; returns
+    (the step's loss, the same on every rank; the grad norm over the pipeline)."""
+    losses = _run_schedule(pipe, batches, step, dp, batch, pipe.schedule.step)
     norm = None
     if spec.clip_grad_norm is not None:
         norm = pipe.opt.clip_grad_norm_(spec.clip_grad_norm).item()
@@ -194,7 +216,8 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
                for s in pipe.stages}
     ran = mesh.ran(dmuon.get_plan(pipe.modules[0]).ep_size, lay.batch)
     dp = DataParallel.of(mesh.device_mesh)
-    train = Batches(inputs["data"], "train", spec.seq_len, spec.seed, spec.data.val_fraction)
+    train, val = (Batches(inputs["data"], part, spec.seq_len, spec.seed,
+                          spec.data.val_fraction) for part in ("train", "val"))
     tokens, global_tokens, flops_token, peak = _throughput(pipe, spec, lay, dp)
     base_lrs = [g["lr"] for g in pipe.opt.param_groups]
     start = checkpoints.resume(pipe.modules, pipe.opt, job.checkpoint_dir,
@@ -225,6 +248,8 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
         record.update(fixed, layout_event=event)
         event = None
         nonfinite.after_step(pipe.opt, record, step + 1)
+        if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
+            record["val_loss"] = pipeline_validation(pipe, spec, val, dp, lay.batch)
         keep_record(job.job_dir, record)
         path = None
         if job.checkpoint_dir and checkpoints.due(spec, step + 1):

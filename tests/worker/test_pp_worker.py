@@ -74,8 +74,11 @@ def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, schedule, monk
 
 
 def test_the_step_1_loss_is_the_same_jobs_without_pp(monkeypatch, tmp_path):
-    spec, plan = _plan({"model": "tiny", "layout": {"pp": 2}}, monkeypatch, tmp_path)
-    flat_spec, flat = _plan({"model": "tiny", "layout": {"shard": 2}}, monkeypatch,
+    """The step-1 loss and gradient norm, and the validation loss after each step (the
+    schedule's forward-only eval, the flat job's validation_loss of the same rows)."""
+    val = {"data": {"val_every": 1, "val_batches": 2}}
+    spec, plan = _plan({"model": "tiny", "layout": {"pp": 2}, **val}, monkeypatch, tmp_path)
+    flat_spec, flat = _plan({"model": "tiny", "layout": {"shard": 2}, **val}, monkeypatch,
                             tmp_path, 2)
     assert flat.layout.batch == plan.layout.batch and flat.layout.dp_size == 2
     pp = run(_ran, spec.model_dump(mode="json"), plan.model_dump_json(), world_size=4)
@@ -84,6 +87,9 @@ def test_the_step_1_loss_is_the_same_jobs_without_pp(monkeypatch, tmp_path):
     mean = sum(records[0]["loss"] for records in ref) / len(ref)
     assert pp[0][0]["loss"] == pytest.approx(mean, rel=1e-5)
     assert pp[0][0]["grad_norm"] == pytest.approx(ref[0][0]["grad_norm"], rel=1e-4)
+    for step in range(spec.steps):
+        assert {r[step]["val_loss"] for r in pp} == {pp[0][step]["val_loss"]}
+        assert pp[0][step]["val_loss"] == pytest.approx(ref[0][step]["val_loss"], rel=1e-5)
 
 
 def _resumed(rank, world, spec: dict, plan_json: str, ckpt: str):
