@@ -232,9 +232,13 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
                  stage_layers=pipe.layers, schedule=type(pipe.schedule).__name__,
                  node_id=context.node_ids[rank] if context.node_ids else None,
                  node_ip=context.node_ip)
-    if job.export_only:
-        raise ValueError("an export-only run of a pipeline-parallel job: each stage's "
-                         "share is exported at the end of training")
+    if job.export_only:  # the newest checkpoint's stages, written again
+        if start == 0:
+            raise RuntimeError(f"nothing to export: no committed checkpoint in "
+                               f"{job.checkpoint_dir}")
+        progress.update(phase="export")
+        export_stages(pipe, spec, mesh, job.export_dir)
+        return pipe
     for step in range(start, spec.steps):
         progress.update(phase="step", step=step + 1)
         t0 = time.perf_counter()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from helpers.layouts import handed, spec_of, stored
 
 from dmuon.testing import run
@@ -123,3 +124,38 @@ def test_a_pp_job_resumes_from_its_fqn_keyed_checkpoint(monkeypatch, tmp_path):
     for rank in range(4):
         assert [(s, r) for s, _, r in again[rank]] == [(3, 2)]
         assert again[rank][0][1] == pytest.approx(first[rank][2][1], rel=1e-6)
+
+
+def _exported(rank, world, spec: dict, plan_json: str, ckpt: str, out: str, only: bool):
+    from service.job.plan_document import PlanDocument
+    from service.worker.loop import run_training
+    from service.worker.mesh import build_mesh
+
+    plan = PlanDocument.model_validate_json(plan_json)
+    job = Job.local(spec, plan, checkpoint_dir=ckpt, export_dir=out, export_only=only)
+    run_training(job, build_mesh(plan.layout), lambda r, p: None)
+
+
+def test_a_pp_jobs_export_is_each_stages_share_and_export_only_rewrites_it(
+        monkeypatch, tmp_path):
+    """The end of training writes stage-<i>.safetensors, every parameter of the model
+    once by its FQN; an export-only run from the final checkpoint writes the same
+    tensors."""
+    from safetensors.torch import load_file
+
+    from service.job.models.builtin import build_model
+    from service.job.spec.presets import PRESETS
+
+    spec, plan = _plan({"model": "tiny", "layout": {"pp": 2}, "export": {"enabled": True},
+                        "checkpoint": {"interval": 2}}, monkeypatch, tmp_path)
+    ckpt = str(tmp_path / "dcp")
+    common = (spec.model_dump(mode="json"), plan.model_dump_json(), ckpt)
+    run(_exported, *common, str(tmp_path / "end"), False, world_size=4)
+    run(_exported, *common, str(tmp_path / "again"), True, world_size=4)
+    names = {n for n, _ in build_model(PRESETS["tiny"], device="meta").named_parameters()}
+    end = [load_file(str(tmp_path / "end" / f"stage-{i}.safetensors")) for i in (0, 1)]
+    again = [load_file(str(tmp_path / "again" / f"stage-{i}.safetensors")) for i in (0, 1)]
+    assert not set(end[0]) & set(end[1]) and set(end[0]) | set(end[1]) == names
+    for a, b in zip(end, again):
+        assert a.keys() == b.keys()
+        assert all(torch.equal(a[k], b[k]) for k in a)
