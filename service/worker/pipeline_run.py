@@ -233,12 +233,7 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
                  node_id=context.node_ids[rank] if context.node_ids else None,
                  node_ip=context.node_ip)
     if job.export_only:  # the newest checkpoint's stages, written again
-        if start == 0:
-            raise RuntimeError(f"nothing to export: no committed checkpoint in "
-                               f"{job.checkpoint_dir}")
-        progress.update(phase="export")
-        export_stages(pipe, spec, mesh, job.export_dir)
-        return pipe
+        return _export_only(pipe, job, mesh, start, progress)
     for step in range(start, spec.steps):
         progress.update(phase="step", step=step + 1)
         t0 = time.perf_counter()
@@ -264,6 +259,15 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
     progress.update(phase="export", step=None)
     if job.export_dir and spec.export.enabled:
         export_stages(pipe, spec, mesh, job.export_dir)
+    return pipe
+
+
+def _export_only(pipe: Pipeline, job: Job, mesh: JobMesh, start: int, progress: dict):
+    if start == 0:
+        raise RuntimeError(f"nothing to export: no committed checkpoint in "
+                           f"{job.checkpoint_dir}")
+    progress.update(phase="export")
+    export_stages(pipe, job.spec, mesh, job.export_dir)
     return pipe
 
 
