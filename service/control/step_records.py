@@ -34,9 +34,9 @@ class LayoutEvent(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     reason: text(256, 1)
-    # R x N, or R x N x T under tensor parallelism
-    previous: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
-    layout: tuple[Count, ...] = Field(strict=False, min_length=2, max_length=3)
+    # R x N, R x N x T under tensor parallelism, pp x R x N (x T) under pipelines
+    previous: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=4)
+    layout: tuple[Count, ...] = Field(strict=False, min_length=2, max_length=4)
     resumed_from: Count
     steps_lost: Count
 
@@ -69,12 +69,19 @@ class StepRecord(BaseModel):
     peak_memory: dict[text(64), Count | None] = Field(default_factory=dict, max_length=8)
     rss_bytes: Count | None = None
     time: Number = None
-    # (r, s), or (r, s, t) under tensor parallelism
-    coord: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
-    # R x N (x T) of this run
-    layout: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=3)
-    # the whole service.job.layout.Layout this rank ran (degrees, hosts, batch split)
+    # (r, s), (r, s, t) under tensor parallelism, (p, r, s[, t]) under pipelines
+    coord: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=4)
+    # ([pp x] R x N (x T) of this run
+    layout: tuple[Count, ...] | None = Field(None, strict=False, min_length=2, max_length=4)
+    # the whole service.job.layout.Layout this rank ran (degrees, hosts, batch split,
+    # pipeline schedule)
     ran_layout: dict[text(32), Count | Schedule | None] | None = Field(None, max_length=16)
+    # a pipeline-parallel job's: per stage this rank ran (by index), its layers [lo, hi)
+    # and its partition's digest, and torch's schedule class it ran
+    stage_layers: dict[text(8), Annotated[list[Count], Field(min_length=2, max_length=2)]] \
+        | None = Field(None, max_length=64)
+    stage_digests: dict[text(8), text(16)] | None = Field(None, max_length=64)
+    schedule: text(64) | None = None
     layout_event: LayoutEvent | None = None  # rank 0's first record of a run
     resumed_from: Count | None = None
     capacity: Count | None = None  # workers Ray Train could start now (an elastic job's)

@@ -175,8 +175,9 @@ class PlanDocument(_Doc):
     # are the largest runnable one's, the layout Ray Train asks for first
     elastic: list[ElasticLayout] | None = None
     # a pipeline-parallel layout (pp > 1): the stage split and per pp rank its ranks,
-    # stages, NS load, memory and pp bytes (service.job.plan.pipeline_plan); planned,
-    # not yet run by workers
+    # stages, NS load, memory and pp bytes (service.job.plan.pipeline_plan); the workers
+    # run its stage split (service.worker.pipeline_run), each stage's partition made
+    # there, deterministically, from the stage and its mesh
     pipeline: dict | None = None
 
     _layout = field_validator("layout", mode="before")(stored_layout)
@@ -188,7 +189,9 @@ class PlanDocument(_Doc):
 
     @property
     def complete(self) -> bool:
-        return self.partition is not None
+        """Ready to run: a partition, or a pipeline's stage split (each stage's
+        partition is made by its workers)."""
+        return self.partition is not None or self.pipeline is not None
 
     def runnable(self) -> list[ElasticLayout]:
         return [e for e in self.elastic or [] if e.refused is None]

@@ -30,7 +30,9 @@ class DataParallel:
     @classmethod
     def of(cls, mesh: DeviceMesh) -> DataParallel:
         dims = mesh.mesh_dim_names
-        replicate, shard = mesh[dims[0]], mesh[dims[1]]
+        named = "replicate" in dims and "shard" in dims  # a pp dim, if any, goes first
+        replicate, shard = (mesh["replicate"], mesh["shard"]) if named \
+            else (mesh[dims[0]], mesh[dims[1]])
         tp = mesh["tp"].size() if "tp" in dims else 1
         if mesh.size() != dist.get_world_size():  # mean() reduces over the default group
             raise ValueError(f"a {mesh.size()}-rank mesh in a world of "

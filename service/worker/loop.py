@@ -32,6 +32,8 @@ from .capacity import CapacityWatch, ray_capacity
 from .data_parallel import DataParallel
 from .export import export
 from .mesh import JobMesh, build_mesh, device, node_ids_from_ray
+from .nonfinite_steps import NonfiniteSteps
+from .pipeline_run import run_pipeline
 from .rank_records import keep_record
 from .step_metrics import flops_per_token, peak_flops, step_record
 from .weights import load_weights
@@ -154,40 +156,6 @@ def train_step(model, opt, spec: JobSpec, batches: Batches, step: int, dp: DataP
     return loss.item(), norm
 
 
-class NonfiniteSteps:
-    """Steps ``dmuon.Muon`` skipped for a non-finite gradient (every rank skips the same
-    ones): marked in each record; after more than ``allowed`` in a row the job fails,
-    naming the step, the ranks and the last good checkpoint."""
-
-    def __init__(self, allowed: int, start: int):
-        self.allowed, self.in_a_row, self.last_skip = allowed, 0, None
-        self.last_good = f"step {start} (resumed)" if start else None
-        self._seen = 0
-
-    def after_step(self, opt, record: dict, step: int) -> None:
-        skipped = opt.skipped_steps > self._seen
-        self._seen = opt.skipped_steps
-        self.in_a_row = self.in_a_row + 1 if skipped else 0
-        if skipped:
-            self.last_skip = (step, list(opt.nonfinite_ranks))
-        record.update(skipped=skipped, skipped_steps=opt.skipped_steps,
-                      nonfinite_ranks=list(opt.nonfinite_ranks) if skipped else [])
-
-    def check(self) -> None:
-        if self.in_a_row > self.allowed:
-            step, ranks = self.last_skip
-            raise RuntimeError(
-                f"step {step}: {self.in_a_row} steps in a row skipped for a non-finite "
-                f"gradient (more than max_nonfinite_steps={self.allowed}); not finite on "
-                f"rank(s) {', '.join(map(str, ranks))}; last good checkpoint: "
-                f"{self.last_good or 'none (no checkpoint committed yet)'}")
-
-
-def _coordinates(mesh: JobMesh) -> list[int]:
-    """This rank's coordinate on the mesh's dims."""
-    return [mesh.get_mesh(d).get_local_rank() for d in mesh.layout.mesh_dim_names]
-
-
 def _throughput(model, spec: JobSpec, split, layout, dp: DataParallel):
     """(tokens per rank, tokens per step, FLOPs per token on this rank, peak FLOP/s). The
     T ranks of a tensor-parallel group share their tokens' FLOPs: each does 1/T."""
@@ -219,23 +187,24 @@ def run_training(job: Job, mesh: JobMesh | DeviceMesh, report,
     """The training loop on a built mesh; returns the model. ``report(record, path)``
     gets every step's record and, on checkpoint steps, the committed directory. With
     ``job.job_dir``, each rank keeps its records there and rank 0 logs this start's
-    layout event there and reports it. With ``context.capacity``, a step after which a
-    larger planned layout could start is checkpointed, for the coming resize. A bare
-    ``DeviceMesh`` (tests) must have the plan's layout's dims and sizes."""
+    layout event there. With ``context.capacity``, a step after which a larger planned
+    layout could start is checkpointed. A bare ``DeviceMesh`` (tests) must have the
+    plan's layout's dims and sizes; a pipeline-parallel plan runs ``run_pipeline``."""
     spec, inputs, lay = job.spec, job.inputs or BUILTIN_INPUTS, job.plan.layout
     mesh = mesh if isinstance(mesh, JobMesh) else JobMesh.around(lay, mesh)
     context = context or WorkerContext()
+    if lay.pp_enabled:  # the stored stage split, under torch's schedule
+        return run_pipeline(dataclasses.replace(job, inputs=inputs), mesh, report, context,
+                            run_modes(spec, job.plan, None))
     progress, checkpoint_dir = context.progress, job.checkpoint_dir
     progress.update(phase="setup", step=None)
     model, opt, split = build_training(spec, mesh, inputs, None, job.plan)
     run = dmuon.get_plan(model)  # the partition run: its digest and EP group reported
     digest, ran = partition_digest(run.to_dict()), mesh.ran(run.ep_size, lay.batch)
-    rank, coord, layout, batch = dist.get_rank(), _coordinates(mesh), list(lay.mesh_shape), \
-        lay.batch
-    dp = DataParallel.of(mesh.device_mesh)
-    data = inputs["data"]
-    train = Batches(data, "train", spec.seq_len, spec.seed, spec.data.val_fraction)
-    val = Batches(data, "val", spec.seq_len, spec.seed, spec.data.val_fraction)
+    rank, coord, layout = dist.get_rank(), mesh.coordinates(), list(lay.mesh_shape)
+    dp, data = DataParallel.of(mesh.device_mesh), inputs["data"]
+    train, val = (Batches(data, part, spec.seq_len, spec.seed, spec.data.val_fraction)
+                  for part in ("train", "val"))
     tokens, global_tokens, flops_token, peak = _throughput(model, spec, split, lay, dp)
     base_lrs = [g["lr"] for g in opt.param_groups]
     start = checkpoints.resume(model, opt, checkpoint_dir, inputs.get("resume_from"))
@@ -249,14 +218,13 @@ def run_training(job: Job, mesh: JobMesh | DeviceMesh, report,
         progress.update(phase="step", step=step + 1)  # numbered as the records are
         t0 = time.perf_counter()
         lrs = training_recipe.apply_lr(opt, base_lrs, training_recipe.lr_factor(spec, step))
-        loss, norm = train_step(model, opt, spec, train, step, dp, batch)
+        loss, norm = train_step(model, opt, spec, train, step, dp, lay.batch)
         record = step_record(model, opt, step=step + 1, loss=loss,
                              elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
         record.update(coord=coord, layout=layout, ran_layout=dataclasses.asdict(ran),
-                      resumed_from=start,
-                      partition_digest=digest, layout_event=event,
+                      resumed_from=start, partition_digest=digest, layout_event=event,
                       node_id=context.node_ids[rank] if context.node_ids else None,
                       node_ip=context.node_ip)
         event = None
@@ -265,7 +233,7 @@ def run_training(job: Job, mesh: JobMesh | DeviceMesh, report,
         if context.capacity is not None:
             record["capacity"], grow = context.capacity.poll()
         if spec.data.val_every and (step + 1) % spec.data.val_every == 0:
-            record["val_loss"] = validation_loss(model, spec, val, dp, batch)
+            record["val_loss"] = validation_loss(model, spec, val, dp, lay.batch)
         keep_record(job.job_dir, record)  # before the checkpoint and the report
         path = None
         if checkpoint_dir and (grow or checkpoints.due(spec, step + 1)):
@@ -347,7 +315,7 @@ def _worker(config: dict, progress: dict) -> None:
 
     context = WorkerContext(progress, mesh.node_ids, ray.util.get_node_ip_address(), capacity)
     model = run_training(dataclasses.replace(job, plan=plan), mesh, report, context)
-    if config.get("return_params"):
+    if config.get("return_params") and not plan.layout.pp_enabled:
         params = dmuon.full_state_dict(model)
         if rank == 0:
             torch.save(params, config["return_params"])

@@ -1,5 +1,5 @@
 """The worker's device and its mesh, built from the stored plan's ``Layout``: the
-(replicate, shard[, tp]) dims ``Layout.mesh_dim_names`` names, over Ray Train's process
+([pp,] replicate, shard[, tp]) dims ``Layout.mesh_dim_names`` names, over Ray Train's process
 group.
 
 Ray Train has set up the process group (gloo on CPUs, NCCL on GPUs); this never calls
@@ -92,6 +92,10 @@ class JobMesh:
     def __getitem__(self, names):
         return self.get_mesh(names)
 
+    def coordinates(self) -> list[int]:
+        """This rank's coordinate on the mesh's dims."""
+        return [self.get_mesh(d).get_local_rank() for d in self.layout.mesh_dim_names]
+
     @property
     def dp_mesh(self) -> DeviceMesh:
         """The data-parallel dims FSDP2 shards over: (replicate, shard) under HSDP."""
@@ -105,8 +109,10 @@ class JobMesh:
         sizes = dict(zip(self.device_mesh.mesh_dim_names, self.device_mesh.shape))
         hosts = collections.Counter(self.node_ids)
         return Layout(sizes["replicate"], sizes["shard"], len(hosts), tp=sizes.get("tp", 1),
-                      ep=ep, workers_per_node=max(hosts.values()), micro_batches=batch[0],
-                      rows_per_micro=batch[1])
+                      ep=ep, pp=sizes.get("pp", 1), workers_per_node=max(hosts.values()),
+                      micro_batches=batch[0], rows_per_micro=batch[1],
+                      pp_schedule=self.layout.pp_schedule,
+                      pp_stages_per_rank=self.layout.pp_stages_per_rank)
 
 
 def node_ids_from_ray() -> list[str]:
@@ -124,12 +130,15 @@ def _in_order(layout: Layout, world: int) -> list[str]:
 
 
 def build_mesh(layout: Layout, node_ids: list[str] | None = None) -> JobMesh:
-    """The mesh of ``layout`` over the world's ranks, each rank on the node
+    """The mesh of ``layout`` over the world's ranks (under PP, ``pp`` x R rows of
+    N x T ranks, pp outermost), each rank on the node
     ``node_ids`` names (None: ranks in order, ``layout.workers_per_node`` to a node, as
     a one-host test runs them)."""
     if node_ids is None:
         node_ids = _in_order(layout, dist.get_world_size())
-    rows = mesh_rows(node_ids, layout.replicate, layout.shard * layout.tp)
+    rows = mesh_rows(node_ids, layout.pp * layout.replicate, layout.shard * layout.tp)
     grid = tp_groups(rows, layout.tp, node_ids) if layout.tp_enabled else torch.tensor(rows)
+    if layout.pp_enabled:  # pp outermost: stage p holds rows p R .. (p + 1) R - 1
+        grid = grid.reshape(layout.pp, layout.replicate, *grid.shape[1:])
     return JobMesh(layout, DeviceMesh(device().type, grid,
                                       mesh_dim_names=layout.mesh_dim_names), node_ids)

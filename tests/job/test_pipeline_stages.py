@@ -94,3 +94,22 @@ def test_a_tied_head_and_a_model_without_a_split_are_refused():
         split_stages(tied, 2)
     with pytest.raises(ValueError, match="layout.pp = 2: no pipeline split for Linear"):
         check_pp_degree(torch.nn.Linear(2, 2), 2)
+
+
+@pytest.mark.parametrize("kind", ["builtin", "llama"])
+def test_the_stages_hold_the_layer_runs_they_are_given(kind):
+    """The stored plan's split (uneven runs here): each stage holds exactly its layers,
+    under their FQNs; runs that do not cover the layers in order are refused."""
+    model = make(kind, "meta")
+    runs = [[0, 1], [1, 4]]
+    stages = split_stages(model, 2, layers=runs)
+    for stage, (lo, hi) in zip(stages, runs):
+        assert stage.layer_range == (lo, hi)
+        held = {int(n.split(".")[2]) for n, _ in stage.named_parameters()
+                if n.startswith("model.layers.")}
+        assert held == set(range(lo, hi))
+    assert split_stages(model, 2, layers=[[0, 2], [2, 4]])[1].layer_range == \
+        split_stages(model, 2)[1].layer_range == (2, 4)
+    for bad in ([[0, 1], [2, 4]], [[0, 2], [2, 3]], [[0, 0], [0, 4]], [[0, 4]]):
+        with pytest.raises(ValueError, match="layout.pp"):
+            split_stages(model, 2, layers=bad)

@@ -131,10 +131,11 @@ def test_a_zero_bubble_schedule_is_refused_naming_the_field_and_why():
 
 def test_more_stages_than_layers_and_too_few_micro_batches_are_refused():
     nodes = synthetic_inventory(2, 4)
-    with pytest.raises(SpecError) as e:  # tiny has 2 layers
+    with pytest.raises(PlacementError) as e:  # tiny has 2 layers
         plan_document(parse_spec(_spec({"pp": 4, "nodes": 2}, global_batch_tokens=2 * 64 * 2 * 4)),
                       nodes, 4)
-    assert str(e.value).startswith("layout.pp:"), e.value
+    assert e.value.field == "layout.pp", e.value
+    assert "4 stages do not divide the 2 decoder layers" in str(e.value)
     with pytest.raises(PlacementError) as e:  # 1 micro-batch per step, 2 stages
         plan_document(parse_spec(_spec({"pp": 2, "nodes": 2}, global_batch_tokens=2 * 64 * 4,
                                        resources_per_worker={"CPU": 1})), nodes, 4)
@@ -168,7 +169,12 @@ def test_a_pipeline_layout_orders_pp_outermost_and_names_each_ranks_stage():
     assert pipe["bubble"] == (2 - 1) / (2 + 2 - 1)
 
 
-def test_the_api_plans_a_pipeline_and_refuses_to_submit_it(tmp_path):
+def test_the_api_accepts_a_pipeline_and_refuses_what_workers_cannot_run(tmp_path):
+    """A job with layout.pp: 2 is accepted (dry run and real) with the stage split in its
+    stored plan; what the workers cannot run is a 422 naming the field: stages that do
+    not divide the layers (spec.layout.pp), fewer micro-batches than stages (the field
+    that sets them: spec.global_batch_tokens), an elastic range (spec.layout.pp), TP
+    inside the stages (spec.layout.tp)."""
     from fastapi.testclient import TestClient
 
     from service.control.app import create_app
@@ -179,16 +185,34 @@ def test_the_api_plans_a_pipeline_and_refuses_to_submit_it(tmp_path):
     spec = _spec({"pp": 2, "nodes": 1, "workers_per_node": 2},
                  global_batch_tokens=2 * 64 * 1 * 2, resources_per_worker={"CPU": 1})
     auth = {"Authorization": f"Bearer {ADMIN}"}
+    refusals = [
+        ({"pp": 4, "nodes": 1, "workers_per_node": 4}, {}, "spec.layout.pp",
+         "4 stages do not divide the 2 decoder layers"),
+        ({"pp": 2, "nodes": 1, "workers_per_node": 2}, {"global_batch_tokens": 2 * 64},
+         "spec.global_batch_tokens", "1 micro-batches per step, fewer than layout.pp=2"),
+        ({"pp": 2, "elastic": {"min_nodes": 1, "max_nodes": 2}}, {}, "spec.layout.pp",
+         "cannot be set with layout.elastic"),
+        ({"pp": 2, "tp": 2, "nodes": 1, "workers_per_node": 4},
+         {"global_batch_tokens": 2 * 64 * 2}, "spec.layout.tp", "inside pipeline stages"),
+    ]
     with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
         planned = client.post("/v1/plan", json=spec, headers=auth)
         assert planned.status_code == 200, planned.text
         assert [s["pp_rank"] for s in planned.json()["pipeline"]["stages"]] == [0, 1]
         for body in ({"spec": spec}, {"spec": spec, "dry_run": True}):
+            accepted = client.post("/v1/jobs", json=body, headers=auth)
+            assert accepted.status_code == 201, accepted.text
+            stored = client.get(f"/v1/jobs/{accepted.json()['id']}/partition", headers=auth)
+            assert stored.status_code == 200, stored.text
+            assert stored.json()["pipeline"] == planned.json()["pipeline"]
+        for layout, extra, field, message in refusals:
+            body = {"spec": {**_spec(layout, resources_per_worker={"CPU": 1}), **extra},
+                    "dry_run": True}
             refused = client.post("/v1/jobs", json=body, headers=auth)
             assert refused.status_code == 422, refused.text
             (error,) = refused.json()["detail"]
-            assert error["field"] == "spec.layout.pp", error
-            assert "planned by `plan`, not yet run by workers" in error["message"]
+            assert error["field"] == field, error
+            assert message in error["message"], error
 
 
 def test_the_cli_plan_with_pp_prints_each_stage(capsys):

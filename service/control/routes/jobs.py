@@ -91,15 +91,6 @@ def plan(spec: JobSpec, request: Request):
     return JSONResponse(planned.model_dump(mode="json"))
 
 
-def _refuse_unrunnable(planned: PlanDocument) -> None:
-    """A layout the workers cannot run yet: pipeline parallelism is planned (POST
-    /v1/plan, ``plan``) but no worker runs its stages."""
-    if planned.layout.pp_enabled:
-        raise HTTPException(422, [{"field": "spec.layout.pp", "message": (
-            f"layout.pp={planned.layout.pp}: pipeline parallelism is planned by `plan`, not "
-            "yet run by workers; submit with layout.pp: 1")}])
-
-
 @admin.post("/v1/jobs", status_code=201, max_body_size=SPEC_BYTES)
 def submit(body: JobSubmission, request: Request, response: Response,
            idempotency_key: Annotated[text(256) | None, Header()] = None):
@@ -119,7 +110,6 @@ def submit(body: JobSubmission, request: Request, response: Response,
             raise HTTPException(422, [{"field": _field_of(e), "message": str(e)}]) from None
         model_source = inputs["model"]
     planned = _plan(request, body.spec, model_source)
-    _refuse_unrunnable(planned)
     spec = body.spec.model_dump(mode="json")
     job, created = state.store.create_job(
         body.spec.name, spec, dry_run=body.dry_run, plan=planned.model_dump(mode="json"),
@@ -155,7 +145,6 @@ def register(body: Registration, request: Request):
         raise HTTPException(409, f"job {job_id!r} exists; a job registers once")
     _check_on_ray(state.runner, job_id)
     planned = _plan(request, body.spec, _model_source(request, body.spec))
-    _refuse_unrunnable(planned)
     plan = planned.model_dump(mode="json")
     token = secrets.token_urlsafe(32)
     job = state.store.register_job(job_id, body.spec.name, body.spec.model_dump(mode="json"),
@@ -210,9 +199,10 @@ async def job(job_id: JobId, request: Request):
 
 @reads.get("/v1/jobs/{job_id}/partition")
 def partition(job_id: JobId, request: Request):
-    """The stored plan: owner per parameter, per-rank predictions, layout, inventory."""
+    """The stored plan: owner per parameter, per-rank predictions, layout, inventory,
+    and a pipeline's stage split (``pipeline``, null without PP)."""
     planned = _job_or_404(request.app.state.store, job_id, with_plan=True)["plan"]
-    shown = ("inventory", "modes", "optimizer_split", "deferred", "completed_by")
+    shown = ("inventory", "modes", "optimizer_split", "deferred", "completed_by", "pipeline")
     return JSONResponse({"layout": planned["layout"], **{k: planned.get(k) for k in shown},
                          "ranks": planned["ranks"], **(planned.get("partition") or {}),
                          "elastic": _elastic_table(planned.get("elastic"))})

@@ -7,7 +7,9 @@ rank ``p`` holding stages ``p, p + pp, ...``. Each stage holds the model's own m
 (no copy) under their FQNs (``model.layers.5`` stays ``model.layers.5``), so a stage's
 state dict keys are the whole model's and a checkpoint loads on any degree: the
 embedding on the first stage, the final norm and the head on the last, the decoder
-layers cut into equal consecutive runs. Each stage runs its layers as the whole
+layers cut into equal consecutive runs, or into the runs ``layers`` names (the stored
+plan's split, ``PlanDocument.pipeline["stages"][i]["layers"]``: ``[lo, hi)`` each, so
+the workers run the split the planner stored). Each stage runs its layers as the whole
 model's forward does (rotary tables and the causal mask made again on each stage);
 the first takes token ids, the others the hidden states, the last gives the logits.
 """
@@ -56,20 +58,37 @@ def check_pp_degree(model: nn.Module, stages: int, pp: int | None = None) -> Non
                          "which the first stage holds and the last would too; untie them")
 
 
-class _Stage(nn.Module):
-    """Stage ``index`` of ``stages``: the model's modules under their FQNs."""
+def equal_runs(n: int, stages: int) -> list[tuple[int, int]]:
+    """``stages`` equal consecutive runs ``[lo, hi)`` of ``n`` layers."""
+    per = n // stages
+    return [(i * per, (i + 1) * per) for i in range(stages)]
 
-    def __init__(self, model: nn.Module, index: int, stages: int):
+
+def check_runs(runs: list, n: int) -> list[tuple[int, int]]:
+    """``runs`` as ``(lo, hi)`` pairs, refused unless they cover ``0..n`` in order, each
+    holding one layer at least."""
+    runs = [(int(lo), int(hi)) for lo, hi in runs]
+    ends = [0] + [hi for _, hi in runs]
+    if [lo for lo, _ in runs] != ends[:-1] or ends[-1] != n \
+            or any(hi <= lo for lo, hi in runs):
+        raise ValueError(f"layout.pp: the stage split {runs} does not cover the {n} decoder "
+                         "layers in order, one layer at least per stage")
+    return runs
+
+
+class _Stage(nn.Module):
+    """Stage ``index`` of ``stages``: the model's modules under their FQNs, its layers
+    ``run`` = ``[lo, hi)``."""
+
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
         super().__init__()
-        n = len(model.model.layers)
-        per = n // stages
-        self.config, self.index = model.config, index
+        self.config, self.index, self.layer_range = model.config, index, tuple(run)
         self.first, self.last = index == 0, index == stages - 1
         self.model = nn.Module()
         if self.first:
             self.model.embed_tokens = model.model.embed_tokens
         self.model.layers = nn.ModuleDict(
-            {str(i): model.model.layers[i] for i in range(index * per, (index + 1) * per)})
+            {str(i): model.model.layers[i] for i in range(*run)})
         if self.last:
             self.model.norm = model.model.norm
             self.lm_head = model.lm_head
@@ -84,8 +103,8 @@ class BuiltinStage(_Stage):
     """A stage of the built-in model: its layers take the rotary tables, under the
     model's activation checkpointing setting."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int):
-        super().__init__(model, index, stages)
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
+        super().__init__(model, index, stages, run)
         self.activation_checkpointing = model.model.activation_checkpointing
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
@@ -108,8 +127,8 @@ class HFStage(_Stage):
     """A stage of a Hugging Face decoder: the rotary embedding (buffers alone) on every
     stage, the causal mask made as the model makes it."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int):
-        super().__init__(model, index, stages)
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
+        super().__init__(model, index, stages, run)
         self.model.rotary_emb = model.model.rotary_emb
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
@@ -128,11 +147,17 @@ class HFStage(_Stage):
         return h
 
 
-def split_stages(model: nn.Module, stages: int, pp: int | None = None) -> list[nn.Module]:
+def split_stages(model: nn.Module, stages: int, pp: int | None = None,
+                 layers: list | None = None) -> list[nn.Module]:
     """Every stage of ``model`` (``check_pp_degree`` first; ``pp``: the degree named in
-    its messages when ``stages`` is ``pp x v``)."""
+    its messages when ``stages`` is ``pp x v``); ``layers``: each stage's ``[lo, hi)``
+    (the stored plan's split), else equal runs."""
     check_pp_degree(model, stages, pp)
     if _kind(model) is None:
         raise ValueError(f"no pipeline split for {type(model).__name__}")
+    n = len(model.model.layers)
+    runs = equal_runs(n, stages) if layers is None else check_runs(layers, n)
+    if len(runs) != stages:
+        raise ValueError(f"layout.pp: {len(runs)} stage runs for {stages} stages")
     cls = BuiltinStage if _kind(model) == "builtin" else HFStage
-    return [cls(model, i, stages) for i in range(stages)]
+    return [cls(model, i, stages, runs[i]) for i in range(stages)]

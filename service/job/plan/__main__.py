@@ -127,7 +127,7 @@ def plan(args) -> int:
 
 def pipeline(spec, args, meta) -> int:
     """``--pp``: the pipeline plan (the stage split, each pp rank's ranks, stages, NS
-    load, memory and pp bytes); planned, not yet run by workers."""
+    load, memory and pp bytes), as a job with this layout stores and runs it."""
     from ..plan_document import PlanDocument
     from .make import pipeline_document
 

@@ -184,6 +184,26 @@ def pipeline_plan(spec: JobSpec, lay: Layout, units: tuple[Unit, list[Unit], Uni
                         split_summary(costs, no_ns, pp), slowest(costs, split, pp), modes)
 
 
+def runnable(lay: Layout, model, source) -> None:
+    """Refuse, naming the field, a pipeline the workers cannot run: ``pp`` x v stages
+    that do not divide the decoder layers (or a model with no split), TP inside the
+    stages, weights to load into them."""
+    from ..layout import PlacementError
+    from ..models.stages import check_pp_degree
+
+    try:
+        check_pp_degree(model, lay.pp * lay.pp_stages_per_rank, lay.pp)
+    except ValueError as e:
+        raise PlacementError(str(e), "layout.pp") from None
+    if lay.tp_enabled:
+        raise PlacementError(f"layout.tp = {lay.tp} with layout.pp = {lay.pp}: tensor "
+                             "parallelism inside pipeline stages is not run by workers yet; "
+                             "use layout.tp: 1", "layout.tp")
+    if source is not None and getattr(source, "weights", None):
+        raise PlacementError(f"model.weights with layout.pp = {lay.pp}: loading weights "
+                             "into pipeline stages is not supported yet", "model.weights")
+
+
 def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None):
     """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``."""
     from .layout_choice import choose_layout
@@ -192,6 +212,7 @@ def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None):
     lay = choose_layout(nodes, spec, pp=pp)
     prepared = meta.prepared()
     model = prepared.model
+    runnable(lay, model, meta.source)
     embed = _embedding(model)
     dims = (_hidden(model) or (embed.embedding_dim if embed else 0),
             embed.num_embeddings if embed else 0)
