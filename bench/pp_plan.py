@@ -77,7 +77,7 @@ def llama_rows(hosts: int = HOSTS_405B, pps=(1, 4, 8, 16), model=None,
         s = dense_spec(model, {"nodes": hosts, "replicate": 1, "shard": shard, "tp": 8,
                                "pp": pp}, rows, seq)
         meta = meta or MetaModel(s, None)
-        lay, plan = pipeline_placement(s, nodes, meta, pp)
+        lay, plan = pipeline_placement(s, nodes, meta, pp, projection=True)
         row = summary(f"PP {pp} x TP 8 x FSDP {shard}", lay, plan)
         if pp == 1:  # the planner's usual path for pp 1, beside the pipeline's estimate
             p = predict(s, nodes, model_source=meta)
@@ -95,7 +95,7 @@ def kimi_rows() -> list[dict]:
     for label, layout in cases:
         s = ep_plan.spec(cfg, {"nodes": 32, "replicate": 1, "tp": 1, **layout})
         meta = meta or MetaModel(s, ModelSource(kind="hf", config=cfg))
-        lay, plan = pipeline_placement(s, synthetic_inventory(32, 8), meta)
+        lay, plan = pipeline_placement(s, synthetic_inventory(32, 8), meta, projection=True)
         out.append(summary(label, lay, plan))
     return out
 
@@ -112,7 +112,8 @@ def head_heavy_rows(llama: list[dict], kimi: list[dict]) -> list[dict]:
     for label, model, hosts, gpus, shard, global_rows, seq in cases:
         s = dense_spec(model, {"nodes": hosts, "replicate": 1, "shard": shard, "tp": 1,
                                "pp": 4}, global_rows, seq)
-        lay, plan = pipeline_placement(s, synthetic_inventory(hosts, gpus), MetaModel(s, None))
+        lay, plan = pipeline_placement(s, synthetic_inventory(hosts, gpus), MetaModel(s, None),
+                                       projection=True)
         rows.append(summary(label, lay, plan))
     return rows + [dict(r, layout="405B " + r["layout"]) for r in llama if r["pp"] > 1] + \
         [dict(r, layout="Kimi K2 shape " + r["layout"]) for r in kimi]

@@ -204,15 +204,19 @@ def runnable(lay: Layout, model, source) -> None:
                              "into pipeline stages is not supported yet", "model.weights")
 
 
-def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None):
-    """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``."""
+def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
+                       projection: bool = False):
+    """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``;
+    ``projection``: a layout weighed for a record, not one workers will run (no
+    ``runnable`` check: uneven splits, TP inside stages)."""
     from .layout_choice import choose_layout
     from .predict import _embedding, device_bytes
 
     lay = choose_layout(nodes, spec, pp=pp)
     prepared = meta.prepared()
     model = prepared.model
-    runnable(lay, model, meta.source)
+    if lay.pp_enabled and not projection:
+        runnable(lay, model, meta.source)
     embed = _embedding(model)
     dims = (_hidden(model) or (embed.embedding_dim if embed else 0),
             embed.num_embeddings if embed else 0)
