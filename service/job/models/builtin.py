@@ -181,14 +181,19 @@ class LlamaModel(nn.Module):
         h = self.embed_tokens(tokens)
         positions = torch.arange(t, device=tokens.device)
         cos, sin = rope_cos_sin(positions, c.head_dim, c.rope_theta, h.dtype)
-        for layer in self.layers:
-            if self.activation_checkpointing:
-                h = torch.utils.checkpoint.checkpoint(
-                    layer, h, cos, sin,
-                    use_reentrant=self.activation_checkpointing == "reentrant")
-            else:
-                h = layer(h, cos, sin)
-        return self.norm(h)
+        return self.norm(run_blocks(self.layers, h, cos, sin, self.activation_checkpointing))
+
+
+def run_blocks(layers, h: torch.Tensor, cos, sin, activation_checkpointing) -> torch.Tensor:
+    """The decoder blocks in order, each checkpointed when ``activation_checkpointing``
+    says so (the whole model's forward and a pipeline stage's run the same loop)."""
+    for layer in layers:
+        if activation_checkpointing:
+            h = torch.utils.checkpoint.checkpoint(
+                layer, h, cos, sin, use_reentrant=activation_checkpointing == "reentrant")
+        else:
+            h = layer(h, cos, sin)
+    return h
 
 
 class LlamaForCausalLM(nn.Module):

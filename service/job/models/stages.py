@@ -108,19 +108,12 @@ class BuiltinStage(_Stage):
         self.activation_checkpointing = model.model.activation_checkpointing
 
     def run_layers(self, h: torch.Tensor) -> torch.Tensor:
-        from .builtin import rope_cos_sin
+        from .builtin import rope_cos_sin, run_blocks
 
         c = self.config
         cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), c.head_dim,
                                 c.rope_theta, h.dtype)
-        for layer in self.model.layers.values():
-            if self.activation_checkpointing:
-                h = torch.utils.checkpoint.checkpoint(
-                    layer, h, cos, sin,
-                    use_reentrant=self.activation_checkpointing == "reentrant")
-            else:
-                h = layer(h, cos, sin)
-        return h
+        return run_blocks(self.model.layers.values(), h, cos, sin, self.activation_checkpointing)
 
 
 class HFStage(_Stage):
