@@ -30,10 +30,11 @@ import torch.distributed as dist
 import dmuon
 from service.job.job import Job
 from service.job.models.build import compile_blocks, init_rule, prepare_on_meta
-from service.job.models.builtin import causal_lm_loss
+from service.job.models.builtin import causal_lm_loss, vocab_parallel
 from service.job.models.dtypes import DTYPES, muon_kwargs
 from service.job.models.experts import is_expert, use_expert_parallel
 from service.job.models.stages import split_stages
+from service.job.models.tp_plans import apply_tp
 from service.job.spec import JobSpec
 
 from . import checkpoints, layout_events, training_recipe
@@ -101,15 +102,16 @@ def _dedicate(module, model, spec: JobSpec, mesh: JobMesh, split, source, modes:
     module.train()
 
 
-def _io(spec: JobSpec, model, module, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _io(spec: JobSpec, model, module, rows: int, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The stage's static input and output (torch's shape inference would run it
-    outside the schedule): token ids or hidden states in, hidden states or logits out."""
+    outside the schedule): token ids or hidden states in (under TP this rank's 1/tp of
+    the sequence), hidden states or logits out (the whole, the head's DTensor's)."""
     policy = training_recipe.mp_policy(spec)
     dtype = policy.param_dtype if policy is not None and policy.param_dtype is not None \
         else DTYPES[spec.precision.master_dtype]
     embed = model.model.embed_tokens
     dev, seq = device(), spec.seq_len
-    act = torch.empty(rows, seq, embed.embedding_dim, dtype=dtype, device=dev,
+    act = torch.empty(rows, seq // tp, embed.embedding_dim, dtype=dtype, device=dev,
                       requires_grad=True)
     inp = torch.zeros(rows, seq, dtype=torch.long, device=dev) if module.first else act
     out = torch.empty(rows, seq, model.lm_head.out_features, dtype=dtype, device=dev) \
@@ -126,19 +128,19 @@ def build_pipeline(spec: JobSpec, mesh: JobMesh, source, plan, modes: dict) -> P
     if source.weights:
         raise ValueError("model.weights with layout.pp > 1: loading weights into pipeline "
                          "stages is not supported yet")
-    if lay.tp_enabled:
-        raise ValueError("layout.tp > 1 with layout.pp > 1 is not run by workers yet")
     prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
     model, split = prepared.model, prepared.split
+    if lay.tp_enabled:  # the whole model's plan, then its stages: TP first, as torchtitan
+        apply_tp(model, mesh["tp"])
     compile_blocks(spec, model, prepared.blocks)
     count = lay.pp * lay.pp_stages_per_rank
-    modules = split_stages(model, count, lay.pp, stage_runs(plan))
+    modules = split_stages(model, count, lay.pp, stage_runs(plan), lay.tp)
     p = mesh["pp"].get_local_rank()
     stages = []
     for index in range(p, count, lay.pp):
         module = modules[index]
         _dedicate(module, model, spec, mesh, split, source, modes, lay.ep)
-        inp, out = _io(spec, model, module, lay.rows_per_micro)
+        inp, out = _io(spec, model, module, lay.rows_per_micro, lay.tp)
         stages.append(dmuon.PipelineStage(module, index, count, device(), input_args=inp,
                                           output_args=out, group=mesh["pp"].get_group()))
     opt = dmuon.PipelineMuon(stages, **muon_kwargs(spec.optimizer))
@@ -160,7 +162,8 @@ def _run_schedule(pipe: Pipeline, batches: Batches, index: int, dp: DataParallel
     kwargs = {"target": rows[:, 1:], "losses": losses} \
         if any(s.is_last for s in pipe.stages) else {}
     args = (rows[:, :-1],) if any(s.is_first for s in pipe.stages) else ()
-    run(*args, **kwargs)
+    with vocab_parallel(dp.tp):  # the last stage's loss, and its backward, on TP shards
+        run(*args, **kwargs)
     return losses
 
 
@@ -199,7 +202,7 @@ def _throughput(pipe: Pipeline, spec: JobSpec, lay, dp: DataParallel):
         lo, hi = s.submod.layer_range
         hidden = s.submod.config.hidden_size if hasattr(s.submod.config, "hidden_size") \
             else s.submod.config.dim
-        flops += flops_per_token(s.submod, hi - lo, hidden, spec.seq_len)
+        flops += flops_per_token(s.submod, hi - lo, hidden, spec.seq_len) / lay.tp
     return per_rank, dp.tokens(per_rank), flops, peak_flops(spec.metrics.peak_tflops,
                                                                device())
 

@@ -33,9 +33,10 @@ def stored(plan: PlanDocument) -> PlanDocument:
     return PlanDocument.model_validate_json(plan.model_dump_json())
 
 
-def handed(spec, plan: PlanDocument, nodes, monkeypatch, tmp_path) -> PlanDocument:
+def handed(spec, plan: PlanDocument, nodes, monkeypatch, tmp_path,
+           source=BUILTIN) -> PlanDocument:
     """What the driver hands every worker: the stored plan it checked against the
     cluster Ray reports (here ``nodes``), inside the one ``Job``."""
     monkeypatch.setattr(ray_inventory, "inventory_from_ray", lambda: nodes)
-    run = plan_to_run(spec, plan, BUILTIN)
+    run = plan_to_run(spec, plan, source)
     return Job.stored(spec, run, None, str(tmp_path)).plan

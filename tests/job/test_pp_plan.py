@@ -171,10 +171,10 @@ def test_a_pipeline_layout_orders_pp_outermost_and_names_each_ranks_stage():
 
 def test_the_api_accepts_a_pipeline_and_refuses_what_workers_cannot_run(tmp_path):
     """A job with layout.pp: 2 is accepted (dry run and real) with the stage split in its
-    stored plan; what the workers cannot run is a 422 naming the field: stages that do
+    stored plan, and one with TP 2 inside its stages; what the workers cannot run is a 422 naming the field: stages that do
     not divide the layers (spec.layout.pp), fewer micro-batches than stages (the field
     that sets them: spec.global_batch_tokens), an elastic range (spec.layout.pp), TP
-    inside the stages (spec.layout.tp)."""
+    inside the stages over a sequence it does not cut evenly (spec.seq_len)."""
     from fastapi.testclient import TestClient
 
     from service.control.app import create_app
@@ -193,7 +193,8 @@ def test_the_api_accepts_a_pipeline_and_refuses_what_workers_cannot_run(tmp_path
         ({"pp": 2, "elastic": {"min_nodes": 1, "max_nodes": 2}}, {}, "spec.layout.pp",
          "cannot be set with layout.elastic"),
         ({"pp": 2, "tp": 2, "nodes": 1, "workers_per_node": 4},
-         {"global_batch_tokens": 2 * 64 * 2}, "spec.layout.tp", "inside pipeline stages"),
+         {"seq_len": 63, "global_batch_tokens": 2 * 63 * 4}, "spec.seq_len",
+         "tp must divide seq_len"),
     ]
     with TestClient(create_app(settings), base_url="http://127.0.0.1") as client:
         planned = client.post("/v1/plan", json=spec, headers=auth)
@@ -205,6 +206,12 @@ def test_the_api_accepts_a_pipeline_and_refuses_what_workers_cannot_run(tmp_path
             stored = client.get(f"/v1/jobs/{accepted.json()['id']}/partition", headers=auth)
             assert stored.status_code == 200, stored.text
             assert stored.json()["pipeline"] == planned.json()["pipeline"]
+        tp = {"spec": _spec({"pp": 2, "tp": 2, "nodes": 1, "workers_per_node": 4},
+                            resources_per_worker={"CPU": 1}), "dry_run": True}
+        accepted = client.post("/v1/jobs", json=tp, headers=auth)  # TP inside the stages
+        assert accepted.status_code == 201, accepted.text
+        stored = client.get(f"/v1/jobs/{accepted.json()['id']}/partition", headers=auth)
+        assert (stored.json()["layout"]["pp"], stored.json()["layout"]["tp"]) == (2, 2)
         for layout, extra, field, message in refusals:
             body = {"spec": {**_spec(layout, resources_per_worker={"CPU": 1}), **extra},
                     "dry_run": True}

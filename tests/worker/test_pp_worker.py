@@ -12,6 +12,7 @@ import dataclasses
 
 import pytest
 import torch
+from helpers.hf_reference import LLAMA
 from helpers.layouts import handed, spec_of, stored
 
 from dmuon.testing import run
@@ -21,27 +22,33 @@ from service.job.layout import Layout
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.make import plan_document
 
+HF_LLAMA = {"hf_arch": LLAMA["architectures"][0], "config": LLAMA}
 FIELDS = {"steps": 2, "global_batch_tokens": 64, "dmuon": {"mode": "z2"},
           "clip_grad_norm": 1.0}
 
 
-def _ran(rank, world, spec: dict, plan_json: str):
+def _ran(rank, world, spec: dict, plan_json: str, root: str | None = None):
+    from service.job.inputs import resolve_inputs
     from service.job.plan_document import PlanDocument
     from service.worker.loop import run_training
     from service.worker.mesh import build_mesh
 
     plan = PlanDocument.model_validate_json(plan_json)
     records = []
-    run_training(Job.local(spec, plan), build_mesh(plan.layout),
+    inputs = resolve_inputs(Job.local(spec, plan).spec, root) if root else None
+    run_training(Job.local(spec, plan, inputs=inputs), build_mesh(plan.layout),
                  lambda r, p: records.append(r))
     return records
 
 
 def _plan(fields: dict, monkeypatch, tmp_path, workers: int = 4):
+    from service.job.inputs.resolve import resolve_model
+
     spec = spec_of({**FIELDS, **fields})
     nodes = synthetic_inventory(1, 0, cpus_per_node=workers)
-    return spec, handed(spec, stored(plan_document(spec, nodes, workers)), nodes,
-                        monkeypatch, tmp_path)
+    source = resolve_model(spec, str(tmp_path))[0]
+    return spec, handed(spec, stored(plan_document(spec, nodes, workers, source)), nodes,
+                        monkeypatch, tmp_path, source)
 
 
 @pytest.mark.parametrize("model,layout,schedule", [
@@ -91,6 +98,27 @@ def test_the_step_1_loss_is_the_same_jobs_without_pp(monkeypatch, tmp_path):
     for step in range(spec.steps):
         assert {r[step]["val_loss"] for r in pp} == {pp[0][step]["val_loss"]}
         assert pp[0][step]["val_loss"] == pytest.approx(ref[0][step]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.parametrize("model", ["tiny", "hf-llama"])
+def test_pp2_tp2_runs_the_stored_layout_with_the_flat_jobs_step_1_loss(model, monkeypatch,
+                                                                       tmp_path):
+    """TP 2 inside each of 2 stages (pp, shard 1, tp on 4 ranks): the stages pass 1/2 of
+    the sequence; the step-1 loss and gradient norm are the one-rank job's of the same
+    rows, and every rank reports the stored layout."""
+    fields = {"model": HF_LLAMA if model == "hf-llama" else model}
+    spec, plan = _plan({**fields, "layout": {"pp": 2, "tp": 2}}, monkeypatch, tmp_path)
+    flat_spec, flat = _plan({**fields, "layout": {"shard": 1}}, monkeypatch, tmp_path, 1)
+    assert (plan.layout.pp, plan.layout.tp, plan.layout.dp_size) == (2, 2, 1)
+    assert flat.layout.batch == plan.layout.batch
+    pp = run(_ran, spec.model_dump(mode="json"), plan.model_dump_json(), str(tmp_path),
+             world_size=4)
+    ref = run(_ran, flat_spec.model_dump(mode="json"), flat.model_dump_json(), str(tmp_path),
+              world_size=1)
+    for rank, records in enumerate(pp):
+        assert [Layout(**r["ran_layout"]) for r in records] == [plan.layout] * spec.steps
+        assert records[0]["loss"] == pytest.approx(ref[0][0]["loss"], rel=1e-5), rank
+        assert records[0]["grad_norm"] == pytest.approx(ref[0][0]["grad_norm"], rel=1e-4)
 
 
 def _resumed(rank, world, spec: dict, plan_json: str, ckpt: str):

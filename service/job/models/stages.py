@@ -12,6 +12,12 @@ plan's split, ``PlanDocument.pipeline["stages"][i]["layers"]``: ``[lo, hi)`` eac
 the workers run the split the planner stored). Each stage runs its layers as the whole
 model's forward does (rotary tables and the causal mask made again on each stage);
 the first takes token ids, the others the hidden states, the last gives the logits.
+
+Under tensor parallelism (``sequence_shards`` = the TP degree, the plan of
+``tp_plans.py`` applied to the whole model first) the hidden states between blocks,
+and so between stages, are this rank's shard of the sequence: a stage sends 1/T of
+the activations, and takes the positions of its rotary tables and causal mask from
+the whole sequence, ``sequence_shards`` times its input's.
 """
 
 from __future__ import annotations
@@ -80,10 +86,12 @@ class _Stage(nn.Module):
     """Stage ``index`` of ``stages``: the model's modules under their FQNs, its layers
     ``run`` = ``[lo, hi)``."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int],
+                 sequence_shards: int = 1):
         super().__init__()
         self.config, self.index, self.layer_range = model.config, index, tuple(run)
         self.first, self.last = index == 0, index == stages - 1
+        self.sequence_shards = sequence_shards
         self.model = nn.Module()
         if self.first:
             self.model.embed_tokens = model.model.embed_tokens
@@ -95,7 +103,7 @@ class _Stage(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.first else x
-        h = self.run_layers(h)
+        h = self.run_layers(h, h.shape[1] * self.sequence_shards)
         return self.lm_head(self.model.norm(h)) if self.last else h
 
 
@@ -103,15 +111,16 @@ class BuiltinStage(_Stage):
     """A stage of the built-in model: its layers take the rotary tables, under the
     model's activation checkpointing setting."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
-        super().__init__(model, index, stages, run)
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int],
+                 sequence_shards: int = 1):
+        super().__init__(model, index, stages, run, sequence_shards)
         self.activation_checkpointing = model.model.activation_checkpointing
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, seq: int) -> torch.Tensor:
         from .builtin import rope_cos_sin, run_blocks
 
         c = self.config
-        cos, sin = rope_cos_sin(torch.arange(h.shape[1], device=h.device), c.head_dim,
+        cos, sin = rope_cos_sin(torch.arange(seq, device=h.device), c.head_dim,
                                 c.rope_theta, h.dtype)
         return run_blocks(self.model.layers.values(), h, cos, sin, self.activation_checkpointing)
 
@@ -120,18 +129,20 @@ class HFStage(_Stage):
     """A stage of a Hugging Face decoder: the rotary embedding (buffers alone) on every
     stage, the causal mask made as the model makes it."""
 
-    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int]):
-        super().__init__(model, index, stages, run)
+    def __init__(self, model: nn.Module, index: int, stages: int, run: tuple[int, int],
+                 sequence_shards: int = 1):
+        super().__init__(model, index, stages, run, sequence_shards)
         self.model.rotary_emb = model.model.rotary_emb
 
-    def run_layers(self, h: torch.Tensor) -> torch.Tensor:
+    def run_layers(self, h: torch.Tensor, seq: int) -> torch.Tensor:
         from transformers import masking_utils
 
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        positions = torch.arange(seq, device=h.device).unsqueeze(0)
         make_mask = masking_utils.create_causal_mask \
             if getattr(self.config, "sliding_window", None) is None \
             else masking_utils.create_sliding_window_causal_mask
-        mask = make_mask(config=self.config, inputs_embeds=h, attention_mask=None,
+        whole = h[:, :1].expand(h.shape[0], seq, h.shape[2])  # the mask's shape: a view
+        mask = make_mask(config=self.config, inputs_embeds=whole, attention_mask=None,
                          past_key_values=None, position_ids=positions)
         rotary = self.model.rotary_emb(h, position_ids=positions)
         for layer in self.model.layers.values():
@@ -141,10 +152,11 @@ class HFStage(_Stage):
 
 
 def split_stages(model: nn.Module, stages: int, pp: int | None = None,
-                 layers: list | None = None) -> list[nn.Module]:
+                 layers: list | None = None, sequence_shards: int = 1) -> list[nn.Module]:
     """Every stage of ``model`` (``check_pp_degree`` first; ``pp``: the degree named in
     its messages when ``stages`` is ``pp x v``); ``layers``: each stage's ``[lo, hi)``
-    (the stored plan's split), else equal runs."""
+    (the stored plan's split), else equal runs; ``sequence_shards``: the TP degree of a
+    model whose plan is applied."""
     check_pp_degree(model, stages, pp)
     if _kind(model) is None:
         raise ValueError(f"no pipeline split for {type(model).__name__}")
@@ -153,4 +165,4 @@ def split_stages(model: nn.Module, stages: int, pp: int | None = None,
     if len(runs) != stages:
         raise ValueError(f"layout.pp: {len(runs)} stage runs for {stages} stages")
     cls = BuiltinStage if _kind(model) == "builtin" else HFStage
-    return [cls(model, i, stages, runs[i]) for i in range(stages)]
+    return [cls(model, i, stages, runs[i], sequence_shards) for i in range(stages)]

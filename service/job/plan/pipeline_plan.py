@@ -184,10 +184,11 @@ def pipeline_plan(spec: JobSpec, lay: Layout, units: tuple[Unit, list[Unit], Uni
                         split_summary(costs, no_ns, pp), slowest(costs, split, pp), modes)
 
 
-def runnable(lay: Layout, model, source) -> None:
+def runnable(lay: Layout, model, source, seq_len: int) -> None:
     """Refuse, naming the field, a pipeline the workers cannot run: ``pp`` x v stages
     that do not divide the decoder layers (or a model with no split), TP inside the
-    stages, weights to load into them."""
+    stages over a sequence it does not cut evenly (the stages' static shapes hold
+    1/tp of it), weights to load into them."""
     from ..layout import PlacementError
     from ..models.stages import check_pp_degree
 
@@ -195,10 +196,10 @@ def runnable(lay: Layout, model, source) -> None:
         check_pp_degree(model, lay.pp * lay.pp_stages_per_rank, lay.pp)
     except ValueError as e:
         raise PlacementError(str(e), "layout.pp") from None
-    if lay.tp_enabled:
-        raise PlacementError(f"layout.tp = {lay.tp} with layout.pp = {lay.pp}: tensor "
-                             "parallelism inside pipeline stages is not run by workers yet; "
-                             "use layout.tp: 1", "layout.tp")
+    if seq_len % lay.tp:
+        raise PlacementError(f"seq_len = {seq_len} with layout.tp = {lay.tp} and layout.pp "
+                             f"= {lay.pp}: the stages pass 1/tp of the sequence each, so "
+                             "tp must divide seq_len", "seq_len")
     if source is not None and getattr(source, "weights", None):
         raise PlacementError(f"model.weights with layout.pp = {lay.pp}: loading weights "
                              "into pipeline stages is not supported yet", "model.weights")
@@ -208,7 +209,7 @@ def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
                        projection: bool = False):
     """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``;
     ``projection``: a layout weighed for a record, not one workers will run (no
-    ``runnable`` check: uneven splits, TP inside stages)."""
+    ``runnable`` check: uneven splits)."""
     from .layout_choice import choose_layout
     from .predict import _embedding, device_bytes
 
@@ -216,7 +217,7 @@ def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
     prepared = meta.prepared()
     model = prepared.model
     if lay.pp_enabled and not projection:
-        runnable(lay, model, meta.source)
+        runnable(lay, model, meta.source, spec.seq_len)
     embed = _embedding(model)
     dims = (_hidden(model) or (embed.embedding_dim if embed else 0),
             embed.num_embeddings if embed else 0)
