@@ -44,6 +44,7 @@ from .mesh import JobMesh, device
 from .nonfinite_steps import NonfiniteSteps
 from .rank_records import keep_record
 from .step_metrics import flops_per_token, peak_flops, step_record
+from .weights import load_weights
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
              "interleaved": "ScheduleInterleaved1F1B"}
@@ -125,9 +126,6 @@ def build_pipeline(spec: JobSpec, mesh: JobMesh, source, plan, modes: dict) -> P
     from torch.distributed import pipelining
 
     lay = plan.layout
-    if source.weights:
-        raise ValueError("model.weights with layout.pp > 1: loading weights into pipeline "
-                         "stages is not supported yet")
     prepared = prepare_on_meta(spec, source, DTYPES[spec.precision.master_dtype])
     model, split = prepared.model, prepared.split
     if lay.tp_enabled:  # the whole model's plan, then its stages: TP first, as torchtitan
@@ -140,6 +138,8 @@ def build_pipeline(spec: JobSpec, mesh: JobMesh, source, plan, modes: dict) -> P
     for index in range(p, count, lay.pp):
         module = modules[index]
         _dedicate(module, model, spec, mesh, split, source, modes, lay.ep)
+        if source.weights:  # the stage's own keys: it holds them under the model's FQNs
+            load_weights(module, source.weights)
         inp, out = _io(spec, model, module, lay.rows_per_micro, lay.tp)
         stages.append(dmuon.PipelineStage(module, index, count, device(), input_args=inp,
                                           output_args=out, group=mesh["pp"].get_group()))

@@ -9,6 +9,7 @@ compute), as does the gradient norm clipping measures."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -119,6 +120,35 @@ def test_pp2_tp2_runs_the_stored_layout_with_the_flat_jobs_step_1_loss(model, mo
         assert [Layout(**r["ran_layout"]) for r in records] == [plan.layout] * spec.steps
         assert records[0]["loss"] == pytest.approx(ref[0][0]["loss"], rel=1e-5), rank
         assert records[0]["grad_norm"] == pytest.approx(ref[0][0]["grad_norm"], rel=1e-4)
+
+
+def test_a_pp_job_starts_from_model_weights_as_the_flat_job_does(monkeypatch, tmp_path):
+    """``model.weights`` under PP 2 (HF Llama): each stage loads its keys, so the step-1
+    loss is the one-rank job's from the same safetensors (and not a fresh
+    initialisation's)."""
+    from safetensors.torch import save_file
+
+    import transformers
+
+    torch.manual_seed(3)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))
+    for p in model.parameters():  # far from the built-in init, so a missed load shows
+        p.data.uniform_(-0.2, 0.2)
+    os.makedirs(tmp_path / "start")
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()},
+              str(tmp_path / "start" / "model.safetensors"))
+    losses = {}
+    for name, layout, workers, weights in (("pp", {"pp": 2}, 4, True),
+                                           ("flat", {"shard": 1}, 1, True),
+                                           ("fresh", {"shard": 1}, 1, False)):
+        model_field = {**HF_LLAMA, **({"weights": "start"} if weights else {})}
+        spec, plan = _plan({"model": model_field, "layout": layout}, monkeypatch, tmp_path,
+                           workers)
+        reports = run(_ran, spec.model_dump(mode="json"), plan.model_dump_json(),
+                      str(tmp_path), world_size=workers)
+        losses[name] = reports[0][0]["loss"]
+    assert losses["pp"] == pytest.approx(losses["flat"], rel=1e-5)
+    assert losses["flat"] != pytest.approx(losses["fresh"], rel=1e-2)
 
 
 def _resumed(rank, world, spec: dict, plan_json: str, ckpt: str):

@@ -188,7 +188,7 @@ def runnable(lay: Layout, model, source, seq_len: int) -> None:
     """Refuse, naming the field, a pipeline the workers cannot run: ``pp`` x v stages
     that do not divide the decoder layers (or a model with no split), TP inside the
     stages over a sequence it does not cut evenly (the stages' static shapes hold
-    1/tp of it), weights to load into them."""
+    1/tp of it), weights to load into expert-parallel shards."""
     from ..layout import PlacementError
     from ..models.stages import check_pp_degree
 
@@ -200,9 +200,10 @@ def runnable(lay: Layout, model, source, seq_len: int) -> None:
         raise PlacementError(f"seq_len = {seq_len} with layout.tp = {lay.tp} and layout.pp "
                              f"= {lay.pp}: the stages pass 1/tp of the sequence each, so "
                              "tp must divide seq_len", "seq_len")
-    if source is not None and getattr(source, "weights", None):
-        raise PlacementError(f"model.weights with layout.pp = {lay.pp}: loading weights "
-                             "into pipeline stages is not supported yet", "model.weights")
+    if source is not None and getattr(source, "weights", None) and lay.ep_enabled:
+        raise PlacementError(f"model.weights with layout.pp = {lay.pp} x ep = {lay.ep}: "
+                             "loading weights into expert-parallel shards is not supported "
+                             "yet; set layout.ep: 1", "model.weights")
 
 
 def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,

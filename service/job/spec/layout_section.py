@@ -79,8 +79,8 @@ class LayoutSpec(_Strict):
                       "forward + backward and Newton-Schulz step is least. At most the "
                       "model's layers (a stage holds at least one); a step needs at least "
                       "pp micro-batches. auto: the smallest pp with which a rank fits. "
-                      "pp (x pp_stages_per_rank) must divide the decoder layers; not with "
-                      "layout.elastic, layout.tp > 1 or model.weights")
+                      "pp (x pp_stages_per_rank) must divide the decoder layers, and tp the "
+                      "seq_len; not with layout.elastic, nor model.weights with ep > 1")
     pp_schedule: str = Field("1f1b", description="the pipeline schedule: 1f1b, "
                              "interleaved (pp_stages_per_rank stages on each rank) or "
                              "gpipe; zero-bubble schedules are refused (DMuon's stage runs "
