@@ -9,7 +9,6 @@ import torch
 from . import normuon
 from . import qk_clip as qk_clip_rule
 from .model_state import DedicatedModel, check_dedicated
-from .reference_clip import ReferenceClipMethods
 from .nonfinite import count_nonfinite
 from .ns_schedule import (
     landing_schedule,
@@ -17,6 +16,7 @@ from .ns_schedule import (
     orthogonalise_batch,
 )
 from .param_groups import check_adamw_args, check_args, split_groups, user_groups
+from .reference_clip import ReferenceClipMethods
 
 
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:

@@ -44,13 +44,17 @@ def _fsdp2_reference(model, mesh):
     return torch.optim.AdamW(model.parameters(), **ADAMW)
 
 
+def _boundaries(model):
+    """One hook boundary per decoder layer, the final norm and the head."""
+    ends = {id(model.model.norm), id(model.lm_head)}
+    return lambda m: isinstance(m, DecoderLayer) or id(m) in ends
+
+
 def _pure_dmuon(model, mesh):
     """Every param in DMuon: layers, final norm and head on owners, the embedding on
     FSDP2 (its policy from the param_policy); one hook boundary per module above."""
-    ends = {id(model.model.norm), id(model.lm_head)}
     dmuon.dedicate_params(model, mesh, predicate=lambda n, p: True, param_policy=POLICY,
-                          hook_boundary_predicate=lambda m: isinstance(m, DecoderLayer)
-                          or id(m) in ends)
+                          hook_boundary_predicate=_boundaries(model))
     for layer in model.model.layers:
         dmuon.fully_shard(layer, mesh=mesh)
     dmuon.fully_shard(model, mesh=mesh)
@@ -64,8 +68,8 @@ def _train(rank, world, kind):
     opt = (_pure_dmuon if kind == "dmuon" else _fsdp2_reference)(model, mesh)
     dtypes = {}
     for batch in global_batches(STEPS):
-        logits = model(local_rows(batch, rank, world)[:, :-1])
-        dtypes = {"logits": logits.dtype}
+        if not dtypes:  # an extra forward, once: the last step's ledger is the step's own
+            dtypes = {"logits": model(local_rows(batch, rank, world)[:, :-1]).dtype}
         loss_of(model, local_rows(batch, rank, world)).backward()
         opt.step()
         opt.zero_grad()
@@ -73,6 +77,8 @@ def _train(rank, world, kind):
         full = dmuon.full_state_dict(model)
         state = dmuon.get_state(model)
         dtypes.update({b.name: (b.param_dtype, b.reduce_dtype) for b in state.boundaries})
+        dtypes["ledger"] = dmuon.get_ledger(model).last_step_by_phase()
+        dtypes["plan"] = state.plan.to_dict()
     else:
         full = {n: p.full_tensor() for n, p in model.named_parameters()}
     return {"full": full, "dtypes": dtypes}
@@ -93,6 +99,28 @@ def test_fp32_head_in_bf16_body_equals_fsdp2_per_module_policies():
             assert err <= 1e-5, (rank, key, err)
             assert not torch.equal(value, build_model(get_config("tiny"), dtype=FP32,
                                                       seed=0).state_dict()[key]), key
+
+
+def test_the_planners_cost_prices_each_boundary_in_the_policys_dtypes():
+    """``dmuon.planning``'s ledger prediction, given each boundary's own dtypes from the
+    policy (``boundary_dtypes``: the head's fp32 among bf16 layers, every reduce fp32),
+    equals the run's ledger exactly: the bf16 gathers at 2 bytes, the head's at 4."""
+    from dmuon import planning
+    from dmuon.partition import DedicationPlan
+
+    meta = build_model(get_config("tiny"), device="meta")
+    own = planning.boundary_dtypes(meta, predicate=lambda n, p: True, param_policy=POLICY,
+                                   hook_boundary_predicate=_boundaries(meta))
+    assert own["lm_head"] == (FP32, FP32) and own["model.layers.0"] == (BF16, FP32)
+    sizes = {b: (p.itemsize, g.itemsize) for b, (p, g) in own.items()}
+    for rank, mine in enumerate(_runs("dmuon")):
+        plan = DedicationPlan.from_dict(mine["dtypes"]["plan"])
+        predicted = planning.ledger_prediction(plan, rank, z3=True, param_bytes=4,
+                                               reduce_bytes=4, boundary_bytes=sizes)
+        assert mine["dtypes"]["ledger"] == predicted, rank
+        uniform = planning.ledger_prediction(plan, rank, z3=True, param_bytes=2,
+                                             reduce_bytes=4)  # what one dtype would say
+        assert uniform["shard"]["forward"] < predicted["shard"]["forward"]
 
 
 @pytest.mark.parametrize("policy,match", [

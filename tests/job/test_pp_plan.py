@@ -171,10 +171,11 @@ def test_a_pipeline_layout_orders_pp_outermost_and_names_each_ranks_stage():
 
 def test_the_api_accepts_a_pipeline_and_refuses_what_workers_cannot_run(tmp_path):
     """A job with layout.pp: 2 is accepted (dry run and real) with the stage split in its
-    stored plan, and one with TP 2 inside its stages; what the workers cannot run is a 422 naming the field: stages that do
-    not divide the layers (spec.layout.pp), fewer micro-batches than stages (the field
-    that sets them: spec.global_batch_tokens), an elastic range (spec.layout.pp), TP
-    inside the stages over a sequence it does not cut evenly (spec.seq_len)."""
+    stored plan, and one with TP 2 inside its stages; what the workers cannot run is a
+    422 naming the field: stages that do not divide the layers (spec.layout.pp), fewer
+    micro-batches than stages (the field that sets them: spec.global_batch_tokens), an
+    elastic range (spec.layout.pp), TP inside the stages over a sequence it does not cut
+    evenly (spec.seq_len)."""
     from fastapi.testclient import TestClient
 
     from service.control.app import create_app

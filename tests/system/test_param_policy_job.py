@@ -9,7 +9,8 @@ parameter names alone (not from the service's or the core's resolution); the wor
 ran the stored partition (its digest in every record; the core refuses a stored plan
 whose routes the policy it is given does not make), which holds exactly the Muon and
 owner-AdamW params, the latter with no Newton-Schulz FLOPs; and the policy's bf16 compute
-reached them: DMuon's bytes per step are half the planner's float32 prediction."""
+reached them and the planner priced it: DMuon's bytes per step are the stored plan's
+prediction, half of a float32 pricing."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ import pytest
 from helpers.browser import ARTIFACTS, job_page
 from helpers.service_http import Service
 
+from dmuon import planning
+from dmuon.partition import DedicationPlan
 from service.job.models.builtin import build_model
 from service.job.plan_document import partition_digest
 from service.job.spec.presets import PRESETS
@@ -103,17 +106,18 @@ def test_a_pure_dmuon_job_runs_and_reports_each_route(svc, job):
     # refuses a plan whose routes the policy does not give
     assert {r["partition_digest"] for r in records} == {partition_digest(part)}
     assert all(r["loss"] is not None and r["loss"] == r["loss"] for r in records)
-    # the policy's bf16 reached the workers: every dedicated param's gathers, reduces and
-    # replicate traffic move 2-byte elements, exactly half of what the planner priced at
-    # precision's float32 (the planner does not read the policy's dtypes; the same job
-    # without param_dtype measured its ledger byte for byte, by hand); the step's own
-    # small collectives (flags, norms) keep their size
+    # the policy's bf16 reached the workers and the planner priced it: every dedicated
+    # param's gathers, reduces and replicate traffic move 2-byte elements, as the stored
+    # plan's ledger says byte for byte, and half of a float32 pricing of the same plan
+    # (the precision's); the step's own small collectives (flags, norms) keep their size
+    fp32 = planning.ledger_prediction(DedicationPlan.from_dict(part), 0, z3=True,
+                                      param_bytes=4, reduce_bytes=4)
+    assert part["ranks"][0]["ledger"]["shard"]["forward"] == fp32["shard"]["forward"] / 2
     for r in records:
         predicted = part["ranks"][r["rank"]]["ledger"]
         for dim, phases in predicted.items():
             for phase, n in phases.items():
-                want = n if phase == "step" else n / 2
-                assert r["bytes"][f"{dim}.{phase}"] == want, (r["rank"], dim, phase)
+                assert r["bytes"][f"{dim}.{phase}"] == n, (r["rank"], dim, phase)
     assert os.path.isdir(os.path.join(svc.env["DMUON_STORAGE"], job["id"], "export"))
 
 

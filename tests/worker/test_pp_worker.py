@@ -126,9 +126,8 @@ def test_a_pp_job_starts_from_model_weights_as_the_flat_job_does(monkeypatch, tm
     """``model.weights`` under PP 2 (HF Llama): each stage loads its keys, so the step-1
     loss is the one-rank job's from the same safetensors (and not a fresh
     initialisation's)."""
-    from safetensors.torch import save_file
-
     import transformers
+    from safetensors.torch import save_file
 
     torch.manual_seed(3)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA))

@@ -120,6 +120,22 @@ def _bytes_of(spec: JobSpec) -> tuple[int, int, int]:
             DTYPES[p.reduce].itemsize)
 
 
+def _dmuon_bytes(spec: JobSpec, model, split) -> tuple[int, int, dict]:
+    """(DMuon's param and reduce bytes per element, the hook boundaries' own
+    ``{boundary: (param, reduce)}``). A ``param_policy`` that sets dtypes is DMuon's own
+    precision (``dmuon.fully_shard`` then leaves it FSDP2's policy alone): its boundaries
+    gather in their ``param_dtype`` and reduce in their ``grad_dtype`` (else the
+    ``param_dtype``), the others in the master dtype."""
+    elt, master, reduce = _bytes_of(spec)
+    own = {} if split.param_policy is None else planning.boundary_dtypes(
+        model, predicate=split.selected, param_policy=split.param_policy,
+        hook_boundary_predicate=split.boundary_predicate(model))
+    if not own:
+        return elt, reduce, {}
+    return master, master, {b: (p.itemsize if p else master, (g or p).itemsize if g or p
+                                else master) for b, (p, g) in own.items()}
+
+
 def _clip_bytes(spec: JobSpec, n: int, r: int, master: int, t: int = 1) -> dict[str, Fraction]:
     """clip_grad_norm_'s all-reduce of two squared norms (ledger phase ``step``), on the
     shard, replicate and (under TP) tp groups."""
@@ -223,14 +239,16 @@ def predict(spec: JobSpec, nodes: list[NodeInfo], *, intra_link="nvlink",
     local = local_plan(plan, view.splits, T)
     others = view.local_shapes(model, [n for n, _ in model.named_parameters()
                                        if not split.predicate(n)])
-    modes = choose_mode(spec, model, split, local, others, nodes, N, view)
+    dmuon_bytes = _dmuon_bytes(spec, model, split)
+    modes = choose_mode(spec, model, split, local, others, nodes, N, view, dmuon_bytes)
     spans_nodes = N * T > layout.workers_per_node  # a shard group over several nodes
     ep_in_node = layout.workers_per_node % (layout.ep * T) == 0
     links = {"shard": inter_link if spans_nodes else intra_link if N > 1 else "loopback",
              "replicate": inter_link, "tp": intra_link,
              "ep": intra_link if ep_in_node else inter_link}
     bw = {dim: {**BANDWIDTH, **(bandwidth or {})}[link] for dim, link in links.items()}
-    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), layout.batch, bw, moe)
+    ranks = _ranks(spec, plan, local, others, modes, view, (R, N), layout.batch, bw, moe,
+                   dmuon_bytes)
     return Placement(spec, layout, plan, ranks, split.to_dict(), modes, local=local)
 
 
@@ -254,12 +272,15 @@ def _tp_ledger(spec: JobSpec, plan, view: TPView, slot: int,
 
 def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
            dp: tuple[int, int], batch: tuple[int, int], bw: dict,
-           moe: MoEShape | None = None) -> list[RankPrediction]:
-    """Every rank's prediction, rank ``(r * N + s) * T + t`` at (r, s[, t])."""
+           moe: MoEShape | None, dmuon_bytes: tuple) -> list[RankPrediction]:
+    """Every rank's prediction, rank ``(r * N + s) * T + t`` at (r, s[, t]);
+    ``dmuon_bytes``: ``_dmuon_bytes``'s."""
     (R, N), T = dp, view.T
-    elt, master, reduce = _bytes_of(spec)
+    elt, master, _ = _bytes_of(spec)
+    param, reduce, own = dmuon_bytes
     z3 = modes.dmuon == "z3"
-    peak = planning.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=elt)
+    peak = planning.packed_peak_bytes(local, z3=z3, prefetch=1, param_bytes=param,
+                                      boundary_bytes=own)
     clip = _clip_bytes(spec, N, R, master, T)
     # each a pass over every unit of the plan: once, not once per rank
     elements, flops = local.elements_per_rank, local.ns_flops_per_rank
@@ -268,8 +289,8 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
         slot, t = divmod(rank, T)
         r, s = divmod(slot, N)
         fsdp, adamw = _fsdp_bytes(others, N, s, master)
-        ledger = planning.ledger_prediction(local, slot, z3=z3, param_bytes=elt,
-                                        reduce_bytes=reduce)
+        ledger = planning.ledger_prediction(local, slot, z3=z3, param_bytes=param,
+                                            reduce_bytes=reduce, boundary_bytes=own)
         if T > 1:
             ledger["tp"] = _tp_ledger(spec, plan, view, slot, batch, master)
         if moe is not None and plan.ep_size > 1:  # under TP each rank sends its group's tokens
@@ -280,9 +301,10 @@ def _ranks(spec: JobSpec, plan, local, others, modes: ModeChoice, view: TPView,
             ledger[dim]["step"] = Fraction(ledger[dim].get("step", 0)) + extra
         ledger = {d: {k: planning.exact(Fraction(v)) for k, v in p.items()}
                   for d, p in ledger.items()}
-        memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=elt,
+        memory = {**planning.memory_prediction(local, slot, z3=z3, param_bytes=param,
                                                master_bytes=master,
-                                               row_moments=_row_moments(spec)),
+                                               row_moments=_row_moments(spec),
+                                               boundary_bytes=own),
                   "fsdp_shards": fsdp, "adamw_state": adamw}
         seconds = sum(sum(phases.values()) / bw[d] for d, phases in ledger.items())
         ranks.append(RankPrediction(
@@ -305,10 +327,12 @@ def device_bytes(spec: JobSpec, nodes: list[NodeInfo], per_node: int) -> int:
 
 
 def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
-                view: TPView | None = None) -> ModeChoice:
+                view: TPView | None, dmuon_bytes: tuple) -> ModeChoice:
     """The mode to run (``auto``: the seeds' tree on one rank's worst-case memory).
-    ``plan`` and ``others``: as one TP rank holds them (``view``: the TP degree)."""
+    ``plan`` and ``others``: as one TP rank holds them (``view``: the TP degree);
+    ``dmuon_bytes``: ``_dmuon_bytes``'s."""
     elt, master, _ = _bytes_of(spec)
+    param, _, own = dmuon_bytes
     T = view.T if view is not None else 1
     world = plan.world_size
     embed = _embedding(model)
@@ -326,13 +350,14 @@ def choose_mode(spec: JobSpec, model, split, plan, others, nodes, shard: int,
     worst = 0
     for rank in range(world):
         fsdp, adamw = fsdp_by_index[rank % shard]
-        held = planning.memory_prediction(plan, rank, z3=True, param_bytes=elt,
-                                          master_bytes=master, row_moments=_row_moments(spec))
+        held = planning.memory_prediction(plan, rank, z3=True, param_bytes=param,
+                                          master_bytes=master, row_moments=_row_moments(spec),
+                                          boundary_bytes=own)
         grads = elements[rank] * master + fsdp
         worst = max(worst, sum(held.values()) - held["packed_buffers"] + fsdp + adamw
                     + grads)
     totals = {z3: worst + planning.packed_peak_bytes(plan, z3=z3, prefetch=1,
-                                                     param_bytes=elt)
+                                                     param_bytes=param, boundary_bytes=own)
               + gathered_others + act for z3 in (False, True)}
     per_node = -(-world * T // max(1, len(nodes)))
     params = sum(p.numel() for p in model.parameters())
