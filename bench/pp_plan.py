@@ -15,11 +15,15 @@ bf16 compute, fp32 masters and reduce, per-block activation checkpointing, 1F1B,
 mode ``auto`` (the planner's), 400 TFLOP/s per GPU (the planner's ``Costs``).
 
 ``python -m bench.pp_plan``: prints the tables and writes the dated record
-``bench/results/pp_plan_<machine>_<date>.{md,json}``."""
+``bench/results/pp_plan_<machine>_<date>.{md,json}``; ``--measured-from RECORD.json``
+copies table 4 from an earlier record instead of measuring it again (the planner's
+tables are arithmetic, the same on any machine; a measurement is not, on a busy one)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import pathlib
 import subprocess
 import time
 
@@ -29,6 +33,7 @@ from bench.pp_measure import GLOBAL_ROWS as GLOBAL_ROWS_MEASURED
 from bench.tp_plan import LLAMA3_405B
 from service.job.models.source import ModelSource
 from service.job.plan.inventory import synthetic_inventory
+from service.job.plan.modes import activation_bytes
 from service.job.plan.pipeline_plan import pipeline_placement
 from service.job.plan.predict import MetaModel, needed_bytes, predict
 from service.job.spec import parse_spec
@@ -189,18 +194,32 @@ def cpu_model() -> str:
                  if line.startswith("Model name")), "unknown")
 
 
+def _measured(args) -> tuple[list[dict], dict | None]:
+    """(table 4's rows, the record they were copied from: its name, date, CPU and
+    seconds, or None when measured now or not at all)."""
+    if args.measured_from:
+        path = pathlib.Path(args.measured_from)
+        old = json.loads(path.read_text())
+        return old["measured"], {"record": path.with_suffix(".md").name, "date": old["date"],
+                                 "cpu": old["cpu"], "seconds": old["seconds"]}
+    if args.no_measure:
+        return [], None
+    from bench.pp_measure import measured as run_measured
+    return run_measured(), None
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-measure", action="store_true", help="the planner's tables only")
+    ap.add_argument("--measured-from", metavar="RECORD.json",
+                    help="copy the measured table from this earlier record, not re-run")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     llama = llama_rows()
     kimi = kimi_rows()
     splits = head_heavy_rows(llama, kimi)
-    measured = []
-    if not args.no_measure:
-        from bench.pp_measure import measured as run_measured
-        measured = run_measured()
+    measured, copied = _measured(args)
+    cpu = copied["cpu"] if copied else cpu_model()
     tables = [llama_table(llama), kimi_table(kimi), split_table(splits)] + \
         ([measured_table(measured)] if measured else [])
     table = "\n\n".join(tables)
@@ -209,9 +228,9 @@ def main(argv=None) -> None:
     print(write_record("pp_plan", "The planner under pipeline parallelism: Llama-3 405B, "
                        "the Kimi K2 shape, the stage split; PP 2 x FSDP 2 measured", table,
                        {"llama3_405b": llama, "kimi_k2_shape": kimi, "splits": splits,
-                        "measured": measured, "cpu": cpu_model(), "ns_dtype": "float32",
-                        "seconds": round(total, 1)},
-                       notes=notes(llama, kimi, splits, measured, cpu_model(), total)))
+                        "measured": measured, "measured_from": copied, "cpu": cpu,
+                        "ns_dtype": "float32", "seconds": round(total, 1)},
+                       notes=notes(llama, kimi, splits, measured, cpu, total, copied)))
 
 
 def _planner_notes(llama: list[dict], kimi: list[dict]) -> str:
@@ -226,8 +245,7 @@ at 1024 GPUs the same TP 8 x PP 16 leaves FSDP 8. Every row fits: FSDP over all 
 data-parallel ranks already spreads the states, so PP here trades the states' share
 per GPU for 1F1B's micro-batches in flight (pp on the first stage: at PP 16 its
 activations are {gb(p16['memory']['activations'])} GB of its {gb(p16['peak_bytes'])} GB).
-At PP 1 the pipeline's estimate is {gb(p1['peak_bytes'])} GB, `predict`'s (the planner's
-usual pp 1 path) {gb(p1['predict_peak_bytes'])} GB. The slowest stage's seconds are its
+{_pp1_notes(p1, llama[1])} The slowest stage's seconds are its
 rank's forward, backward (recomputed: checkpointing) and NS for the step's m
 micro-batches at 400 TFLOP/s, no communication: the work per GPU is the same at every pp
 (so are its tokens), PP adds the rounding of 126 layers into stages (8 layers on the
@@ -254,7 +272,29 @@ on GB300, 288 GB per GPU, as issue 52 cites it; no link here) fits in 80 GB here
 ({gb(k4['memory']['packed_buffers'])} GB)."""
 
 
-def _split_notes(measured: list[dict], cpu: str, total: float) -> str:
+def _pp1_notes(p1: dict, p4: dict) -> str:
+    """Why the pipeline's estimate at PP 1 is `predict`'s, and what it was before (the
+    figures of 2026-12-05 written out: they are that record's)."""
+    micro = dict(tokens=SEQ_405B, hidden=LLAMA3_405B["dim"], elt=2, checkpointed=True, tp=8)
+    logits = SEQ_405B * LLAMA3_405B["vocab_size"] * (2 + 4)  # bf16 and their fp32 copy
+    block = activation_bytes(layers=0, vocab=0, **micro)  # one recomputed block
+    apart = p1["predict_peak_bytes"] - p1["peak_bytes"]
+    return f"""At PP 1 the pipeline's estimate, {gb(p1['peak_bytes'])} GB, is `predict`'s (the
+planner's usual pp 1 path, the one checked against measurement), {gb(p1['predict_peak_bytes'])}
+GB, within {apart / 1e6:.0f} MB, so that `layout.pp: auto` weighs pp 1 and pp > 1 alike: the
+activations are counted alike, {gb(p1['memory']['activations'])} GB (126 layers' block
+inputs, one block recomputed, and the logits, 1/8 of them, {gb(logits / 8)} GB: the head
+keeps TP's vocabulary shards under loss parallel, in the stages too), and the states
+differ only in that the pipeline takes an even share per GPU where `predict` takes the
+worst rank of dmuon's partition (and the norms, which TP does not split, whole). The
+record of 2026-12-05 read 19.9 GB against 13.8: the pipeline held the whole logits,
+{gb(logits)} GB, on every TP rank, and counted a second recomputed block,
+{gb(block)} GB, for the head. The same two terms made the head's pp rank PP 4's worst,
+16.1 GB then; now pp rank {p4['worst_pp_rank']} is, at {gb(p4['peak_bytes'])} GB."""
+
+
+def _split_notes(measured: list[dict], cpu: str, total: float,
+                 copied: dict | None = None) -> str:
     return f"""**Stage split.** The planner's split (`stage_split.best_split`: the contiguous
 split whose slowest pp rank, forward + backward + the optimizer step's NS at its busiest
 owner, is least), the split by layer count (`by_count`) and the split that leaves NS
@@ -283,11 +323,20 @@ stage's own forward and backward chunks) / (the schedule's time), each rank's me
 step: with 4 ranks on 2 cores shared with other work the stages also wait for a core,
 so it mostly reads above the predicted (pp-1)/(m+pp-1), and it and the step times move
 between runs (pp rank 0 read 0.26 to 0.34 over five runs on 2026-12-05; one run
-recorded). {total:.0f} s for the whole bench."""
+recorded). {_timing(total, copied)}"""
 
 
-def notes(llama, kimi, splits, measured, cpu, total) -> str:
-    return _planner_notes(llama, kimi) + "\n\n" + (_split_notes(measured, cpu, total)
+def _timing(total: float, copied: dict | None) -> str:
+    if copied is None:
+        return f"{total:.0f} s for the whole bench."
+    return (f"The measured table is copied from {copied['record']} (measured on "
+            f"{copied['date']}, {copied['seconds']} s for that whole bench), not re-run; "
+            f"every row of the planner's three tables above was recomputed on this date "
+            f"({total:.0f} s).")
+
+
+def notes(llama, kimi, splits, measured, cpu, total, copied=None) -> str:
+    return _planner_notes(llama, kimi) + "\n\n" + (_split_notes(measured, cpu, total, copied)
                                                     if measured else "")
 
 

@@ -231,3 +231,37 @@ def test_the_cli_plan_with_pp_prints_each_stage(capsys):
     out = capsys.readouterr().out
     assert "pp 2 x 1 x 4 x 1" in out and "bubble 0.200" in out  # (2-1)/(4+2-1)
     assert "emb + 0-0" in out and "1-1 + head" in out and "NS TFLOP/owner" in out
+
+
+# 4 layers of a 512-wide model, a 32k head: its logits weigh next to its states
+SMALL = {"vocab_size": 32000, "dim": 512, "n_layers": 4, "n_heads": 8, "n_kv_heads": 8,
+         "ffn_dim": 1408, "max_seq_len": 1024}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_at_pp_1_the_pipeline_estimate_is_predicts(tp):
+    """``choose_pp`` weighs pp > 1 (the pipeline's estimate) against pp 1 (``predict``'s,
+    checked against measurement): at pp 1 the two agree. The activations exactly: one
+    micro-batch's layers, one recomputed block and the logits, 1/T of them under TP (the
+    head keeps them vocabulary shards). The whole within 1%, never above ``predict``: the
+    pipeline counts each stage's states as an even share over its ranks (and the norms
+    1/T) where ``predict`` takes the worst rank of dmuon's partition (norms whole)."""
+    from service.job.plan.modes import activation_bytes
+    from service.job.plan.pipeline_plan import pipeline_placement
+    from service.job.plan.predict import MetaModel, needed_bytes, predict
+
+    spec = parse_spec({
+        "model": SMALL, "batch_size": 1, "seq_len": 1024, "global_batch_tokens": 16 * 1024,
+        "activation_checkpointing": "non_reentrant", "dmuon": {"mode": "z3"},
+        "precision": {"master_dtype": "float32", "param_dtype": "bfloat16",
+                      "reduce_dtype": "float32"},
+        "layout": {"nodes": 2, "replicate": 1, "shard": 8 // tp, "tp": tp, "pp": 1},
+        "resources_per_worker": {"CPU": 1, "GPU": 1}})
+    nodes, meta = synthetic_inventory(2, 4), MetaModel(spec, None)
+    _, plan = pipeline_placement(spec, nodes, meta, 1, projection=True)
+    (rank,) = plan.ranks
+    assert rank["memory"]["activations"] == activation_bytes(
+        tokens=1024, hidden=512, layers=4, vocab=32000, elt=2, checkpointed=True, tp=tp,
+        logits_split=tp)
+    expected = needed_bytes(predict(spec, nodes, model_source=meta).modes)
+    assert 0 <= expected - rank["peak_bytes"] <= 0.01 * expected, (rank["peak_bytes"], expected)

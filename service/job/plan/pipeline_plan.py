@@ -10,7 +10,11 @@ E/T x master bytes / (R N); FSDP2's shards of the others A/T x master / N, AdamW
 moments twice that, their gradient once; packed buffers Z2: every Muon unit of the
 stage (an MoE layer's experts 1/P), Z3: the two largest consecutive layers; the others
 gathered for forward, A/T x param bytes; activations ``modes.activation_bytes`` of the
-stage's layers per micro-batch in flight, and the logits on the last stage."""
+stage's layers per micro-batch in flight, and on the last stage the logits of one
+micro-batch, as ``predict`` counts them (1/T under TP's loss parallel, no second
+recomputed block), so that pp 1 reads as ``predict``, which ``choose_pp`` weighs it
+against. The states stay an even share per rank (``predict``: the worst rank of dmuon's
+partition), within 1% of ``predict``'s at pp 1 (tests/job/test_pp_plan.py)."""
 
 from __future__ import annotations
 
@@ -89,8 +93,25 @@ class PipelinePlan:
                 "by_count": self.by_count, "without_ns": self.without_ns}
 
 
+def _activations(spec: JobSpec, lay: Layout, flight: int, layers: int,
+                 dims: tuple[int, int], head: bool, logits_split: int) -> int:
+    """The micro-batch in backward counted as ``predict.choose_mode`` counts a rank's
+    (its layers' activations, one recomputed block under checkpointing, and on the head's
+    rank the logits, 1/``logits_split`` of them: the stages keep the whole model's TP
+    plan, loss parallel included), so that pp 1 reads as ``predict``; the other
+    ``flight`` - 1 micro-batches in flight their layers' activations, the logits of one
+    micro-batch at a time."""
+    micro = dict(tokens=lay.rows_per_micro * spec.seq_len, hidden=dims[0],
+                 elt=DTYPES[spec.precision.compute].itemsize,
+                 checkpointed=spec.activation_checkpointing != "none", tp=lay.tp)
+    backward = activation_bytes(layers=layers, vocab=dims[1] if head else 0,
+                                logits_split=logits_split, **micro)
+    return backward + (flight - 1) * activation_bytes(layers=layers, vocab=0, **micro)
+
+
 def _memory(spec: JobSpec, lay: Layout, units: list[Unit], flight: int, layers: int,
-            dims: tuple[int, int], head: bool, z3: bool) -> dict[str, int]:
+            dims: tuple[int, int], head: bool, z3: bool,
+            logits_split: int = 1) -> dict[str, int]:
     """One GPU's bytes by kind on a pp rank holding ``units`` (``layers`` of them per
     stage-chunk in flight, ``flight`` chunks); ``dims``: (hidden, vocabulary)."""
     p = spec.precision
@@ -99,11 +120,7 @@ def _memory(spec: JobSpec, lay: Layout, units: list[Unit], flight: int, layers: 
     E, A = sum(u.muon for u in units) / T, sum(u.others for u in units) / T
     windows = [u.window for u in units]
     z3_window = max((a + b for a, b in zip(windows, windows[1:] + [0])), default=0)
-    micro = dict(tokens=lay.rows_per_micro * spec.seq_len, hidden=dims[0], elt=elt,
-                 checkpointed=spec.activation_checkpointing != "none", tp=T)
-    act = flight * activation_bytes(layers=layers, vocab=0, **micro)
-    if head:  # the logits of one micro-batch at a time
-        act += activation_bytes(layers=0, vocab=dims[1], **micro)
+    act = _activations(spec, lay, flight, layers, dims, head, logits_split)
     return {k: int(v) for k, v in {
         "owned_params": E * elt / N + (E * master / (R * N) if master != elt else 0),
         "momentum": E * master / (R * N), "gradients": E * master / (R * N) + A * master / N,
@@ -124,7 +141,8 @@ def split_summary(costs: Costs, split: list[tuple[int, int]], pp: int) -> dict:
 
 
 def pipeline_plan(spec: JobSpec, lay: Layout, units: tuple[Unit, list[Unit], Unit],
-                  dims: tuple[int, int], device_bytes: int, params: int) -> PipelinePlan:
+                  dims: tuple[int, int], device_bytes: int, params: int,
+                  logits_split: int = 1) -> PipelinePlan:
     """The stage split and every pp rank's prediction on ``lay`` (pp > 1, batch split)."""
     embed, layers, head = units
     pp, v, m = lay.pp, lay.pp_stages_per_rank, lay.micro_batches
@@ -154,8 +172,8 @@ def pipeline_plan(spec: JobSpec, lay: Layout, units: tuple[Unit, list[Unit], Uni
         held += [head] if mine[-1]["head"] else []
         flight = in_flight(lay.pp_schedule, pp, m, k, v)
         chunk = max(s["layers"][1] - s["layers"][0] for s in mine)
-        memory = {z3: _memory(spec, lay, held, flight, chunk, dims, mine[-1]["head"], z3)
-                  for z3 in (False, True)}
+        memory = {z3: _memory(spec, lay, held, flight, chunk, dims, mine[-1]["head"], z3,
+                              logits_split) for z3 in (False, True)}
         for z3 in memory:
             peaks[z3] = max(peaks[z3], sum(memory[z3].values()))
         links = [s["link_next"] for s in mine if s["link_next"]]
@@ -206,6 +224,16 @@ def runnable(lay: Layout, model, source, seq_len: int) -> None:
                              "yet; set layout.ep: 1", "model.weights")
 
 
+def _logits_split(model, blocks: list[str], tp: int, dims: tuple[int, int]) -> int:
+    """``predict``'s TP view of the head: T when its logits stay vocabulary shards."""
+    from .tp_costs import tp_view
+
+    try:
+        return tp_view(model, tp, blocks, *dims).logits_split
+    except ValueError as e:  # a degree the model refuses, worded as predict words it
+        raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
+
+
 def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
                        projection: bool = False):
     """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``;
@@ -225,7 +253,8 @@ def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
     units = model_units(model, prepared.split, prepared.blocks, spec)
     params = sum(p.numel() for p in model.parameters())
     plan = pipeline_plan(spec, lay, units, dims,
-                         device_bytes(spec, nodes, lay.workers_per_node), params)
+                         device_bytes(spec, nodes, lay.workers_per_node), params,
+                         _logits_split(model, prepared.blocks, lay.tp, dims))
     return lay, plan
 
 
