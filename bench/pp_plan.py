@@ -257,13 +257,16 @@ InfiniBand): {gb(p16['pp_bytes'])} GB at PP 16, 0.34 s at 50 GB/s.
 **Kimi K2 shape** (`bench.ep_plan`'s Qwen3-MoE config: 61 layers, the first dense, 384
 experts of width 2048, top 8, hidden 7168) on 32 hosts, `replicate: 1`, batch 15360 x
 4096. Its own layout, PP 16 x EP 16 (Kimi K2 report, {ep_plan.KIMI_K2_REPORT}, section
-2.4), does not fit at {gb(k16['peak_bytes'])} of 80 GB: each stage's
+2.4), {'fits' if k16['fits'] else 'does not fit'} at {gb(k16['peak_bytes'])} of 80 GB: each stage's
 states (bf16 column, fp32 master, momentum and gradient, {gb(k16_states)} GB per GPU)
 lie on its 16 GPUs alone, 1/16 of the model on 16 GPUs, the same share per GPU as FSDP
 256 x EP 16 (84.8 GB in ep_plan_x86_64-2cpu_2026-12-04): PP on the same 256 GPUs does
-not cut the states. And 1F1B keeps pp - k micro-batches in flight on pp rank k (the
-worst, pp rank {k16['worst_pp_rank']}: {gb(k16['memory']['activations'])} GB of
-activations). Kimi K2 fit in about 30 GB per GPU because its ZeRO-1 spreads the
+not cut the states; what PP 16 saves is activations: 1F1B keeps pp - k micro-batches in
+flight on pp rank k, all but the one in backward as their blocks' inputs alone under
+checkpointing (the worst, pp rank {k16['worst_pp_rank']}:
+{gb(k16['memory']['activations'])} GB of activations; 18.5 GB in the record of
+2026-12-05, which charged every micro-batch in flight a recomputed block). Kimi K2 fit
+in about 30 GB per GPU because its ZeRO-1 spreads the
 optimizer states over every data-parallel replica of that 256-GPU group as well, and it
 kept bf16 parameters with fp32 gradients. PP 4 x DP 64 x EP 64 (NVIDIA's Kimi K2 run
 on GB300, 288 GB per GPU, as issue 52 cites it; no link here) fits in 80 GB here,

@@ -265,3 +265,27 @@ def test_at_pp_1_the_pipeline_estimate_is_predicts(tp):
         logits_split=tp)
     expected = needed_bytes(predict(spec, nodes, model_source=meta).modes)
     assert 0 <= expected - rank["peak_bytes"] <= 0.01 * expected, (rank["peak_bytes"], expected)
+
+
+def test_micro_batches_waiting_for_backward_keep_only_their_blocks_inputs():
+    """Under checkpointing, 1F1B's pp rank 0 of 4 holds 4 micro-batches' activations:
+    the one in backward with its recomputed block (``activation_bytes``), the 3 waiting
+    with their blocks' inputs alone (rows x seq x hidden x 2 bytes per layer, written
+    out here): a block is recomputed in its own micro-batch's backward, one at a time."""
+    from service.job.plan.modes import activation_bytes
+    from service.job.plan.pipeline_plan import pipeline_placement
+    from service.job.plan.predict import MetaModel
+
+    spec = parse_spec({
+        "model": SMALL, "batch_size": 1, "seq_len": 1024, "global_batch_tokens": 16 * 1024,
+        "activation_checkpointing": "non_reentrant", "dmuon": {"mode": "z3"},
+        "precision": {"master_dtype": "float32", "param_dtype": "bfloat16",
+                      "reduce_dtype": "float32"},
+        "layout": {"nodes": 2, "replicate": 1, "shard": 2, "pp": 4},
+        "resources_per_worker": {"CPU": 1, "GPU": 1}})
+    _, plan = pipeline_placement(spec, synthetic_inventory(2, 4), MetaModel(spec, None), 4)
+    first = plan.ranks[0]
+    assert first["in_flight"] == 4 and plan.stages[0]["layers"] == [0, 1]
+    one = activation_bytes(tokens=1024, hidden=512, layers=1, vocab=0, elt=2,
+                           checkpointed=True)
+    assert first["memory"]["activations"] == one + 3 * 1 * 1024 * 512 * 2

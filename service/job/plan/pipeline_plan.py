@@ -99,14 +99,18 @@ def _activations(spec: JobSpec, lay: Layout, flight: int, layers: int,
     (its layers' activations, one recomputed block under checkpointing, and on the head's
     rank the logits, 1/``logits_split`` of them: the stages keep the whole model's TP
     plan, loss parallel included), so that pp 1 reads as ``predict``; the other
-    ``flight`` - 1 micro-batches in flight their layers' activations, the logits of one
-    micro-batch at a time."""
+    ``flight`` - 1 micro-batches in flight their layers' activations (under
+    checkpointing their blocks' inputs alone: only the micro-batch in backward
+    recomputes a block), the logits of one micro-batch at a time."""
     micro = dict(tokens=lay.rows_per_micro * spec.seq_len, hidden=dims[0],
                  elt=DTYPES[spec.precision.compute].itemsize,
                  checkpointed=spec.activation_checkpointing != "none", tp=lay.tp)
     backward = activation_bytes(layers=layers, vocab=dims[1] if head else 0,
                                 logits_split=logits_split, **micro)
-    return backward + (flight - 1) * activation_bytes(layers=layers, vocab=0, **micro)
+    waiting = activation_bytes(layers=layers, vocab=0, **micro)
+    if micro["checkpointed"]:  # their blocks' inputs: one block is recomputed at a time
+        waiting -= activation_bytes(layers=0, vocab=0, **micro)
+    return backward + (flight - 1) * waiting
 
 
 def _memory(spec: JobSpec, lay: Layout, units: list[Unit], flight: int, layers: int,
