@@ -207,6 +207,22 @@ def _throughput(pipe: Pipeline, spec: JobSpec, lay, dp: DataParallel):
                                                                device())
 
 
+def _add_other_stages(record: dict, pipe: Pipeline) -> None:
+    """A rank holding v > 1 stages (interleaved): its record's bytes and resident memory
+    are its stages' together, as are its packed buffers' peaks (each stage's own peak:
+    their sum bounds the rank's, exact under Z2, where every buffer stays)."""
+    for module, opt in zip(pipe.modules[1:], pipe.opt.optimizers[1:]):
+        for dim, phases in dmuon.get_ledger(module).last_step_by_phase().items():
+            for phase, n in phases.items():
+                key = f"{dim}.{phase}"
+                record["bytes"][key] = record["bytes"].get(key, 0) + n
+        for kind, n in dmuon.memory_report(module, opt).items():
+            record["memory"][kind] += n
+        peak, more = record["peak_memory"], dmuon.get_state(module).take_packed_peak()
+        if peak["packed_buffers"] is not None and more is not None:
+            peak["packed_buffers"] += more
+
+
 def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
     """``loop.run_training`` for a pipeline-parallel plan; returns the ``Pipeline``."""
     from service.job.plan_document import partition_digest
@@ -247,6 +263,7 @@ def run_pipeline(job: Job, mesh: JobMesh, report, context, modes: dict):
                              loss=loss, elapsed=time.perf_counter() - t0, tokens=tokens,
                              global_tokens=global_tokens, flops_token=flops_token,
                              peak=peak, lr=lrs, grad_norm=norm)
+        _add_other_stages(record, pipe)
         record.update(fixed, layout_event=event)
         event = None
         nonfinite.after_step(pipe.opt, record, step + 1)

@@ -22,6 +22,7 @@ from service.job.job import Job
 from service.job.layout import Layout
 from service.job.plan.inventory import synthetic_inventory
 from service.job.plan.make import plan_document
+from service.job.spec.presets import PRESETS
 
 HF_LLAMA = {"hf_arch": LLAMA["architectures"][0], "config": LLAMA}
 FIELDS = {"steps": 2, "global_batch_tokens": 64, "dmuon": {"mode": "z2"},
@@ -77,6 +78,13 @@ def test_a_pp_job_runs_the_stored_layout_and_split(model, layout, schedule, monk
             mine = range(p, lay.pp * lay.pp_stages_per_rank, lay.pp)
             assert r["stage_layers"] == {str(i): split[i] for i in mine}
             assert r["schedule"] == schedule
+            # the pp bytes of all its stages (fp32): activations forward from each stage
+            # but the last, their gradients backward from each but the first
+            count = lay.pp * lay.pp_stages_per_rank
+            act = lay.micro_batches * lay.rows_per_micro * spec.seq_len \
+                * PRESETS[model].dim * 4
+            assert r["bytes"].get("pp.forward", 0) == sum(i < count - 1 for i in mine) * act
+            assert r["bytes"].get("pp.backward", 0) == sum(i > 0 for i in mine) * act
     for step in range(spec.steps):  # one loss per step, on every rank
         assert len({records[step]["loss"] for records in reports}) == 1
     assert reports[0][0]["loss"] > 0
