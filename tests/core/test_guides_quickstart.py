@@ -8,6 +8,9 @@ Usages tested elsewhere with the same calls (guide section: test):
 
 - quickstart.md "Confirm the fast path" (`get_ns_backend()`):
   test_ns_backends.py::test_kernel_reports
+- quickstart.md "Step 2", its import order (`from torch.distributed.fsdp import
+  fully_shard` before `import dmuon`: FSDP2's own function, then refused by name):
+  test_seeds.py::test_fully_shard_bound_before_import_names_the_param_and_the_fix
 - z2-z3-modes.md "Byte cost per step" (the four configurations' formulas on one model):
   test_dmuon_core.py::test_ledger_bytes_per_step
 - z2-z3-modes.md "Memory cost": test_dmuon_core.py::test_packed_buffer_memory_z2_and_z3

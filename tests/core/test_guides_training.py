@@ -23,6 +23,8 @@ Usages tested elsewhere with the same calls (guide section: test):
   test_clip_buckets.py::test_wall_x_buckets_and_muon_strategies_match_one_process
 - "Process Group Policy" (`process_group_policy="isolated"`, the default):
   test_post_step.py::test_trainer_collectives_and_explicit_calls_change_nothing
+- Step 1's tip "HuggingFace models" (a Hugging Face model with the guide's predicate):
+  test_reference_setups.py::test_proj_predicate_sends_qwen2_biases_to_adamw_and_matches_the_reference
 - "Scaling Out" (the HSDP set-up): test_guides_quickstart.py::test_quickstart_matches_one_process
 """
 
@@ -257,8 +259,25 @@ def _type_split(rank, world) -> dict:
     return out
 
 
+def _shard_first(world) -> str:
+    """training.md "Order: dedicate first, then shard": the other order."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    try:
+        dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
+    except (ValueError, RuntimeError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def _guides(rank, world) -> dict:
-    return {"step4": {clip: _step4(rank, world, clip) for clip in (None, "guide", "strategy")},
+    return {"shard_first": _shard_first(world),
+            "step4": {clip: _step4(rank, world, clip) for clip in (None, "guide", "strategy")},
             "semantic": _semantic_groups(rank, world),
             "predicates": _predicates(rank, world),
             "type_split": _type_split(rank, world)}
@@ -301,6 +320,14 @@ def test_training_steps_1_to_5_match_one_process():
         assert_matches(res["step4"][None]["full"], ref)
         owned = res["step4"][None]["counts"][1]
         assert res["step4"][None]["groups"] == [(True, owned), (False, 7)]
+
+
+def test_training_shard_before_dedicate_is_refused():
+    """training.md "Step 3: Apply FSDP2", its warning "Order: dedicate first, then
+    shard": `dedicate_params` after `fully_shard` is refused, naming the order."""
+    for res in _runs():
+        assert res["shard_first"].startswith("RuntimeError: fully_shard was applied to")
+        assert "call dedicate_params first" in res["shard_first"]
 
 
 def test_training_assignment_and_counts():
