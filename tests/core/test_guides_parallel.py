@@ -1,0 +1,180 @@
+"""The reference's guides ``guides/hsdp.md`` and ``guides/tp-support.md``, their code
+done with the same dmuon calls and keywords on 4 gloo ranks (the tiny model in float64,
+``ns_dtype=torch.float64`` added so that the comparison can be to 1e-9), each against the
+float64 single-process reference (torch.optim.Muon + AdamW at the guides' settings) or an
+exact invariant. Usages tested elsewhere, with the same calls:
+
+- hsdp.md "Sync vs Async Mode", 10 steps:
+  test_hsdp.py::test_async_and_sync_replicate_broadcast_are_bit_identical
+- hsdp.md "DMuon-Z2 vs DMuon-Z3", 10 steps:
+  test_hsdp.py::test_hsdp_matches_float64_reference
+- tp-support.md "Requirements" 3, the call order:
+  test_tp.py::test_tp_after_dedicate_is_refused_by_name
+- tp-support.md "DDP + TP" with a route policy:
+  test_routing.py::test_pure_dmuon_on_ddp_x_tp
+- tp-support.md "3D mesh: HSDP x TP" on 2 x 2 x 2 (8 ranks): test_3d.py
+
+Usages that cannot run on gloo (the CUDA device id of "Troubleshooting", the torchrun
+test files of "Correctness Guarantees", ``tp_buffer_reuse``) are listed in
+docs/migration.md.
+"""
+
+from __future__ import annotations
+
+# ``fully_shard`` is the guides' import, after helpers.model's ``import dmuon``: the name is
+# then dmuon's (docs/migration.md), which skips the dedicated params
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.model import build_model, get_config
+from helpers.train import global_batches, local_rows, loss_of, reference_ns
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+import dmuon
+from dmuon.testing import run
+
+STEPS, WORLD = 3, 4
+# dmuon.Muon's defaults the guides rely on, written as torch's optimizers take them
+GUIDE_MUON = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.0)
+GUIDE_ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+def proj(n, p):
+    """The guides' predicate."""
+    return "proj" in n and p.ndim == 2
+
+
+def tiny(seed=0):
+    return build_model(get_config("tiny"), dtype=torch.float64, seed=seed)
+
+
+def train(model, opt, dp_rank, dp_world, steps=STEPS, start=0):
+    """The guides' loop: zero_grad, forward on this data-parallel rank's rows, backward,
+    step."""
+    for batch in global_batches(steps)[start:]:
+        opt.zero_grad()
+        loss_of(model, local_rows(batch, dp_rank, dp_world)).backward()
+        opt.step()
+    return dmuon.full_state_dict(model)
+
+
+@functools.cache
+def reference(steps=STEPS):
+    """One process, the whole batch: torch.optim.Muon on the guides' matrices, AdamW on
+    the rest, at dmuon.Muon's defaults; Newton-Schulz in float64."""
+    model = tiny()
+    named = dict(model.named_parameters())
+    opts = [torch.optim.Muon([p for n, p in named.items() if proj(n, p)], **GUIDE_MUON),
+            torch.optim.AdamW([p for n, p in named.items() if not proj(n, p)], **GUIDE_ADAMW)]
+    with reference_ns():
+        for batch in global_batches(steps):
+            loss_of(model, batch).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def assert_close(full, ref, bound=1e-9):
+    assert set(full) == set(ref)
+    for key, value in ref.items():
+        err = ((full[key] - value).abs().max() / value.abs().max()).item()
+        assert err <= bound, (key, err)
+
+
+# -- guides/hsdp.md ------------------------------------------------------------------------
+
+def _hsdp_model(hsdp, seed=0, dmuon_z2=False, fsdp_z2=False, replicate_async=True):
+    """hsdp.md "TL;DR": ``dedicate_params`` on the shard dim with ``replicate_mesh``,
+    FSDP2 on the 2-D mesh; ``reshard_after_forward=False`` where "DMuon-Z2 vs DMuon-Z3"
+    sets it (on dmuon, on FSDP2, or both)."""
+    model = tiny(seed)
+    z2 = {"reshard_after_forward": False}
+    dmuon.dedicate_params(model, hsdp["shard"], predicate=lambda n, p: "proj" in n and p.ndim == 2,
+                          replicate_mesh=hsdp["replicate"], **(z2 if dmuon_z2 else {}))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=hsdp, **(z2 if fsdp_z2 else {}))
+    fully_shard(model, mesh=hsdp)
+    return model, dmuon.Muon(model, lr=0.02, momentum=0.95, replicate_async=replicate_async,
+                             ns_dtype=torch.float64)
+
+
+def _hsdp_checkpoint(model, opt, hsdp, path, rank):
+    """hsdp.md "Checkpointing under HSDP": save after step 2, a fresh model (other seed)
+    restored from the file trains step 3."""
+    model_sd = dmuon.get_model_state_dict(model)  # drains async broadcast first
+    optim_sd = dmuon.get_optimizer_state_dict(model, opt)
+    if dist.get_rank() == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, path)
+    dist.barrier()  # the file is rank 0's: the others read it once it is written
+    fresh, fresh_opt = _hsdp_model(hsdp, seed=1)
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    dmuon.set_model_state_dict(fresh, ckpt["model"])
+    dmuon.set_optimizer_state_dict(fresh, fresh_opt, ckpt["optim"])
+    return train(fresh, fresh_opt, rank, WORLD, start=STEPS - 1)
+
+
+def _hsdp(rank, world, path):
+    hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    out = {}
+    model, opt = _hsdp_model(hsdp)
+    train(model, opt, rank, world, steps=STEPS - 1)
+    out["restored"] = _hsdp_checkpoint(model, opt, hsdp, path, rank)
+    out["async"] = train(model, opt, rank, world, start=STEPS - 1)
+    # integration-recipes.md "manual_overrides.py": drain, then the model's state dict
+    dmuon.wait_all_replicate_broadcasts(model)
+    out["drained"] = dmuon.get_model_state_dict(model)
+    out["sync"] = train(*_hsdp_model(hsdp, replicate_async=False), rank, world)
+    out["z2"] = train(*_hsdp_model(hsdp, dmuon_z2=True, fsdp_z2=True), rank, world)
+    out["z2_fsdp_z3"] = train(*_hsdp_model(hsdp, dmuon_z2=True), rank, world)
+    out["z3_fsdp_z2"] = train(*_hsdp_model(hsdp, fsdp_z2=True), rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    return run(_hsdp, str(tmp_path_factory.mktemp("hsdp") / "ckpt.pt"), world_size=WORLD)
+
+
+def test_hsdp_tldr_matches_the_float64_reference(hsdp_runs):
+    """guides/hsdp.md, "TL;DR — 5-Line HSDP Integration": the 2-D (replicate, shard)
+    mesh, ``dedicate_params(..., replicate_mesh=...)``, ``fully_shard(layer, mesh=hsdp)``,
+    ``Muon(lr=0.02, momentum=0.95, replicate_async=True)``, the loop unchanged."""
+    for res in hsdp_runs:
+        assert_close(res["async"], reference())
+
+
+def test_hsdp_sync_mode_is_bit_identical_to_async(hsdp_runs):
+    """guides/hsdp.md, "Sync vs Async Mode": ``replicate_async=False`` is bit-identical."""
+    for res in hsdp_runs:
+        for key, value in res["async"].items():
+            assert torch.equal(res["sync"][key], value), key
+
+
+@pytest.mark.parametrize("variant", ["z2", "z2_fsdp_z3", "z3_fsdp_z2"])
+def test_hsdp_z2_z3_combinations_match_the_reference(hsdp_runs, variant):
+    """guides/hsdp.md, "DMuon-Z2 vs DMuon-Z3 (packed-buffer lifecycle)": DMuon's
+    ``reshard_after_forward=False`` with FSDP2's (the "Fully ZeRO-2" rule of thumb), and
+    the asymmetric combinations the section calls valid."""
+    for res in hsdp_runs:
+        assert_close(res[variant], reference())
+
+
+def test_hsdp_checkpoint_restore_continues_bit_identically(hsdp_runs):
+    """guides/hsdp.md, "Checkpointing under HSDP": ``get_model_state_dict`` /
+    ``get_optimizer_state_dict`` saved by rank 0, ``torch.load`` and the two setters on
+    the same topology; step 3 from the file equals step 3 of the run that saved it."""
+    for res in hsdp_runs:
+        for key, value in res["async"].items():
+            assert torch.equal(res["restored"][key], value), key
+
+
+def test_drained_model_state_dict_is_the_reference(hsdp_runs):
+    """guides/integration-recipes.md, "Custom training loops" (manual_overrides.py):
+    ``wait_all_replicate_broadcasts(model)`` then ``get_model_state_dict(model)`` after an
+    async step: rank 0 gets every param at its value after the step."""
+    assert_close(hsdp_runs[0]["drained"], reference())
+    assert all(res["drained"] == {} for res in hsdp_runs[1:])  # rank0_only=True
