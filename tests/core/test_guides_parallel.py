@@ -345,8 +345,21 @@ def _hsdp_tp(mesh3d):
     return model, dmuon.Muon(model, lr=0.02, ns_dtype=torch.float64)
 
 
+def _two_d_tp(world):
+    """tp-support.md "Limitations": a dedicated param sharded over a 2-D TP mesh."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    tp2d = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("tp_a", "tp_b"))
+    model = tiny()
+    attn = model.model.layers[0].self_attn
+    attn.q_proj.weight = torch.nn.Parameter(
+        distribute_tensor(attn.q_proj.weight.detach(), tp2d, [Shard(0), Shard(1)]))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    return _attempt(lambda: dmuon.dedicate_params(model, mesh, predicate=proj))
+
+
 def _tp_layouts(rank, world):
-    out = {}
+    out = {"tp_2d": _two_d_tp(world)}
     tp1 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     out["tp1"] = train(*_tp_setup(tp1), rank, world)
     out["dp_only"] = train(*_one_d(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))),
@@ -386,3 +399,9 @@ def test_hsdp_x_tp_matches_the_float64_reference():
     """guides/tp-support.md, "3D mesh: HSDP x TP", on (R, G, T) = (2, 1, 2)."""
     for res in tp_layout_runs():
         assert_close(res["3d"], reference())
+
+
+def test_a_two_d_tp_axis_is_refused():
+    """guides/tp-support.md, "Limitations": "1D TP only ... A multi-dim TP axis raises"."""
+    for res in tp_layout_runs():
+        assert res["tp_2d"][0] == "ValueError" and "1-D TP mesh" in res["tp_2d"][1], res["tp_2d"]
