@@ -33,6 +33,13 @@ LLAMA = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_la
              tie_word_embeddings=False, use_cache=False)
 
 
+QWEN2VL = dict(  # a tiny Qwen2-VL: the text tower as LLAMA, two vision blocks
+    text_config={**LLAMA, "bos_token_id": 0, "eos_token_id": 1,
+                 "rope_scaling": {"type": "mrope", "mrope_section": [2, 1, 1]}},
+    vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2,
+                       patch_size=4, spatial_merge_size=2, temporal_patch_size=2))
+
+
 def tiny(seed=0, dtype=torch.float64):
     return build_model(get_config("tiny"), dtype=dtype, seed=seed)
 
@@ -136,6 +143,42 @@ def _hf(mesh, rank, world):
     return dmuon.full_state_dict(model)
 
 
+def _qwen_vl(mesh, rank, world):
+    """custom-hook-boundaries.md, "Example 3: Nested Qwen-VL-style model", a tiny
+    Qwen2-VL from its config in place of the hub checkpoint, trained on text."""
+    model = hf_causal_lm("Qwen2VLForConditionalGeneration", QWEN2VL, seed=0)
+
+    def boundary(m):
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VLDecoderLayer,
+            Qwen2VLVisionBlock,
+        )
+        return isinstance(m, (Qwen2VLDecoderLayer, Qwen2VLVisionBlock))
+
+    dmuon.dedicate_params(
+        model, mesh,
+        predicate=lambda n, p: p.ndim == 2 and any(
+            k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj",
+                             "gate_proj", "up_proj", "down_proj")
+        ),
+        hook_boundary_predicate=boundary,
+        hook_boundary_strict=True,
+    )
+    # transformers 5 holds the guide's model.model.layers and model.visual.blocks here
+    for layer in model.model.language_model.layers:
+        fully_shard(layer, mesh=mesh)
+    for block in model.model.visual.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3, ns_dtype=torch.float64)
+    final = train(model, optimizer, _local_batches(rank, world), hf_loss)
+    return {"boundaries": [b.name for b in dmuon.get_state(model).boundaries], "final": final}
+
+
+def hf_loss(model, rows):
+    return model(input_ids=rows, labels=rows).loss
+
+
 def _integration(rank, world, path):
     mesh = init_device_mesh("cpu", (world,))
     out = {"patched": fully_shard is dmuon.fully_shard}
@@ -149,6 +192,7 @@ def _integration(rank, world, path):
     out["torchtitan"] = train(*_torchtitan(world), _local_batches(rank, world), loss_of)
     out["accumulated"] = _accumulate(*_custom_loop(mesh), rank, world)
     out["hf"] = _hf(mesh, rank, world)
+    out["qwen_vl"] = _qwen_vl(mesh, rank, world)
     return out
 
 
@@ -203,10 +247,22 @@ def test_hugging_face_recipe_matches_the_float64_reference():
     predicate on the projection names, ``fully_shard`` on ``model.model.layers``, the
     loop on ``model(**batch).loss``."""
     model = hf_causal_lm("LlamaForCausalLM", LLAMA, seed=0)
-    ref = reference_train(model, hf_proj, global_batches(STEPS),
-                          lambda m, rows: m(input_ids=rows, labels=rows).loss)
+    ref = reference_train(model, hf_proj, global_batches(STEPS), hf_loss)
     for res in integration_runs():
         assert_close(res["hf"], ref)
+
+
+def test_nested_qwen_vl_example_matches_the_float64_reference():
+    """guides/custom-hook-boundaries.md, "Example 3: Nested Qwen-VL-style model": the
+    guide's predicate and ``isinstance`` boundary on the decoder layers and vision
+    blocks; one hook site per decoder layer (the vision blocks hold no projection of
+    those names), and 3 text steps as one process takes them."""
+    model = hf_causal_lm("Qwen2VLForConditionalGeneration", QWEN2VL, seed=0)
+    ref = reference_train(model, hf_proj, global_batches(STEPS), hf_loss)
+    for res in integration_runs():
+        assert res["qwen_vl"]["boundaries"] == [f"model.language_model.layers.{i}"
+                                                for i in range(2)]
+        assert_close(res["qwen_vl"]["final"], ref)
 
 
 # -- guides/pure-dmuon-routing.md ---------------------------------------------------------
