@@ -358,8 +358,22 @@ def _two_d_tp(world):
     return _attempt(lambda: dmuon.dedicate_params(model, mesh, predicate=proj))
 
 
+def _unnamed_tp(world):
+    """tp-support.md "Requirements" 1: the Setup with TP on an unnamed 1-D mesh (the
+    2 x 2 mesh's TP group, ``DeviceMesh.from_group`` without names)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    grid = init_device_mesh("cpu", (2, world // 2))  # unnamed
+    mesh = {"tp": DeviceMesh.from_group(grid.get_group(1), "cpu"),
+            "dp": DeviceMesh.from_group(grid.get_group(0), "cpu", mesh_dim_names=("dp",))}
+    model, opt = _attempt(lambda: _tp_setup(mesh))
+    if isinstance(model, str):
+        return (model, opt)
+    return train(model, opt, mesh["dp"].get_local_rank(), 2)
+
+
 def _tp_layouts(rank, world):
-    out = {"tp_2d": _two_d_tp(world)}
+    out = {"tp_2d": _two_d_tp(world), "unnamed": _unnamed_tp(world)}
     tp1 = init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp"))
     out["tp1"] = train(*_tp_setup(tp1), rank, world)
     out["dp_only"] = train(*_one_d(init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))),
@@ -405,3 +419,13 @@ def test_a_two_d_tp_axis_is_refused():
     """guides/tp-support.md, "Limitations": "1D TP only ... A multi-dim TP axis raises"."""
     for res in tp_layout_runs():
         assert res["tp_2d"][0] == "ValueError" and "1-D TP mesh" in res["tp_2d"][1], res["tp_2d"]
+
+
+def test_tp_on_an_unnamed_mesh_trains_here():
+    """guides/tp-support.md, "Requirements" 1 says an unnamed mesh under a DTensor
+    raises ``ValueError`` (the reference finds the TP dim by name). Here the TP dim is the
+    DTensor's own 1-D mesh, names unread: the Setup on an unnamed TP mesh trains as one
+    process does, where the reference refuses it."""
+    for res in tp_layout_runs():
+        assert isinstance(res["unnamed"], dict), res["unnamed"]
+        assert_close(res["unnamed"], reference())
