@@ -290,7 +290,8 @@ def test_ddp_tp_matches_the_float64_reference():
         assert_close(res["ddp_tp"], reference())
 
 
-@pytest.mark.xfail(strict=True, reason="docs/migration.md: Muon takes no tp_distributed_gram")
+@pytest.mark.xfail(strict=True, reason="Muon refuses tp_distributed_gram (TypeError); "
+                   "docs/migration.md calls it 'different', a call that works")
 def test_tp_distributed_gram_knob_is_accepted():
     """guides/tp-support.md, "Runtime knobs": ``Muon(..., tp_distributed_gram=True)``;
     migration.md calls it "different" (the Gram rule has no knob here), so the call
