@@ -339,10 +339,14 @@ def dedicate_params(model: nn.Module, mesh, predicate, *, replicate_mesh=None,
                            prefetch=prefetch, mp_policy=mp_policy, policies=policies,
                            own_mp_policy=mp_policy is not None or uses_precision(policies))
     _attach(model, state)
+    return plan
+
+
+def _log_assignment(plan: DedicationPlan) -> None:
+    """The reference's INFO summary, word for word (its guide tells users to read it)."""
     _log.info("dedicate_params: %d params assigned to %d ranks, imbalance=%.1f%%, loads=%s",
               len(plan.param_fqns), len(plan.elements_per_rank), (plan.imbalance - 1) * 100,
-              plan.elements_per_rank)  # the reference's summary, word for word
-    return plan
+              plan.elements_per_rank)
 
 
 def _record_tp(plan: DedicationPlan, boundaries: list[Boundary], ctx: RankContext) -> None:
@@ -357,7 +361,8 @@ def _record_tp(plan: DedicationPlan, boundaries: list[Boundary], ctx: RankContex
 
 
 def _attach(model: nn.Module, state: DedicatedModel) -> None:
-    """The marks on dedicated params, the state-dict guard, ``zero_grad``, the state."""
+    """The marks on dedicated params, the state-dict guard, ``zero_grad``, the state;
+    the assignment's summary logged."""
     plan, params = state.plan, dict(model.named_parameters())
     for fqn in plan.param_fqns:
         setattr(params[fqn], DEDICATED_ATTR, fqn)  # truthy, and names it in errors
@@ -371,6 +376,7 @@ def _attach(model: nn.Module, state: DedicatedModel) -> None:
     _discarding_zero_grad(model, state)
     plan.bind(params)
     setattr(model, STATE_ATTR, state)
+    _log_assignment(plan)
 
 
 def _discarding_zero_grad(model: nn.Module, state: DedicatedModel) -> None:

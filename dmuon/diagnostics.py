@@ -27,19 +27,31 @@ def _route_of(state, name: str, param) -> str:
     return "sharded_adamw"  # FSDP2's shards (the policy's route, or left out of DMuon)
 
 
+def _run_dtypes(state, param, policy) -> tuple:
+    """(param_dtype, grad_dtype) as the param runs: a dedicated param's, its hook
+    boundary's (packed buffer and reduce); an FSDP2 param's, its policy's (FSDP2 reduces
+    in the param dtype unless given another), else its own and None."""
+    if is_dedicated(param):
+        units = state.plan.param_fqns[param._dmuon_dedicated]
+        name = state.plan.params[units[0]].boundary
+        b = next(b for b in state.boundaries if b.name == name)
+        return b.param_dtype, b.reduce_dtype
+    if policy is not None and policy.param_dtype is not None:
+        return policy.param_dtype, policy.grad_dtype or policy.param_dtype
+    return param.dtype, getattr(policy, "grad_dtype", None)
+
+
 def _param_row(state, name: str, param) -> dict:
     """One param: its route, owners, dtypes and the policy overrides that applied."""
     policy = state.policies.get(name)
     dedicated = is_dedicated(param)
-    mp = state.mp_policy
-    own = param.dtype
     owners = sorted({state.plan.params[u].owner for u in
                      state.plan.param_fqns[param._dmuon_dedicated]}) if dedicated else []
+    param_dtype, grad_dtype = _run_dtypes(state, param, policy)
     return {"name": name, "route": _route_of(state, name, param), "dmuon_managed":
             policy is not None or dedicated, "owners": owners,
-            "param_dtype": _dtype(getattr(mp, "param_dtype", None) or own) if dedicated
-            else _dtype(own), "grad_dtype": _dtype(state.ctx.reduce_dtype or own)
-            if dedicated else None, "master_dtype": _dtype(own),
+            "param_dtype": _dtype(param_dtype), "grad_dtype": _dtype(grad_dtype),
+            "master_dtype": _dtype(param.dtype),
             "output_dtype": _dtype(getattr(policy, "output_dtype", None)),
             "matched_overrides": list(getattr(policy, "matched", ()))}
 

@@ -10,6 +10,7 @@ import weakref
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from . import comm
@@ -278,17 +279,40 @@ def get_dedicated_params(model: nn.Module) -> list[nn.Parameter]:
 
 def get_owned_params(model: nn.Module, rank) -> list[nn.Parameter]:
     """The dedicated params ``rank`` owns: a global rank, or the reference's ``(shard,
-    replicate)`` coordinate. Their values and gradients live in the owner's masters
+    replicate)`` coordinate. Under TP a global rank owns its coordinate's matrices (its
+    TP shard of them). Their values and gradients live in the owner's masters
     (``dmuon.get_state(model).owned_params``); these are the module's params."""
-    plan = get_state(model).plan
+    state = get_state(model)
+    plan = state.plan
     if isinstance(rank, tuple):
         shard, replica = rank
         rank = replica * plan.shard_size + shard
+    elif isinstance(rank, int) and not isinstance(rank, bool) and plan.tp_size > 1:
+        rank = _coordinate_of(state.ctx, rank)
     if not (isinstance(rank, int) and not isinstance(rank, bool)
             and 0 <= rank < plan.world_size):
         raise ValueError(f"rank={rank!r} is not a rank of the {plan.world_size}-rank layout")
     return [p for p in get_dedicated_params(model)
             if rank in {plan.params[u].owner for u in plan.param_fqns[p._dmuon_dedicated]}]
+
+
+def _coordinate_of(ctx: RankContext, rank: int) -> int:
+    """Global ``rank``'s (replicate, shard) coordinate index under TP, as this rank knows
+    it with no collective: itself and its TP peers, its shard group's ranks, its
+    replicate group's."""
+    def members(group) -> list[int]:
+        return dist.get_process_group_ranks(group) if group is not None else []
+
+    mine = ctx.replicate_rank * ctx.shard_size + ctx.shard_rank
+    if rank == dist.get_rank() or rank in members(ctx.tp_group):
+        return mine
+    shard, replicas = members(ctx.shard_group), members(ctx.replicate_group)
+    if rank in shard:
+        return mine - ctx.shard_rank + shard.index(rank)
+    if rank in replicas:
+        return replicas.index(rank) * ctx.shard_size + ctx.shard_rank
+    raise ValueError(f"rank={rank}: under TP a rank outside this rank's shard, replicate and "
+                     "TP groups is named by its (shard, replicate) coordinate")
 
 
 def wait_all_reduces(model: nn.Module) -> None:

@@ -97,7 +97,11 @@ def tp_shard_of(param) -> TPShard | None:
 def tp_newton_schulz(local: torch.Tensor, shard: TPShard, *, steps, backend, coefficients, dtype,
                      eps, ledger: comm.Ledger, restart: bool = True,
                      gram_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """This peer's shard of NS(full matrix), with the communication the rule needs."""
+    """This peer's shard of NS(full matrix), with the communication the rule needs (none
+    on a TP group of one, whose shard is the whole matrix: NS as without TP, bit for
+    bit)."""
+    if shard.size == 1:
+        return newton_schulz(local, steps, backend, coefficients, dtype, eps, restart, gram_dtype)
     dtype = dtype or default_ns_dtype(local.device, backend, local.dtype)
     if shard.mode == GATHER:
         parts = [torch.empty_like(local) for _ in range(shard.size)]

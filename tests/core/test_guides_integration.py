@@ -12,7 +12,6 @@ import contextlib
 import functools
 import types
 
-import pytest
 import torch
 import torch.distributed as dist
 from helpers.hf_build import hf_causal_lm
@@ -388,8 +387,6 @@ def test_validation_summary_shows_the_route_split():
         assert res["logits"] == torch.bfloat16  # the head computes in the policy's dtype
 
 
-@pytest.mark.xfail(strict=True, reason="summarize_param_groups gives a sharded_adamw "
-                   "param its own dtype, not the policy's (FSDP2 does compute in bf16)")
 def test_validation_summary_rows_show_the_policys_dtypes():
     """guides/pure-dmuon-routing.md, "Validation": "The parameter rows also show
     ``param_dtype``, ``grad_dtype``": the policy's bf16 on every row (``grad_dtype=None``
