@@ -256,10 +256,12 @@ def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc
     edited, storage = os.path.join(svc.root, "edited_plan.json"), os.path.join(svc.root, "ed")
     with open(edited, "w") as fh:
         json.dump(plan, fh)
+    # on the service's head, idle between this module's jobs: no Ray of its own to start
+    head = f"127.0.0.1:{svc.head()['port']}"
     proc = subprocess.run(
         [sys.executable, "-m", "service.driver.job_driver", "--spec", "job_checkpointed.yaml",
          "--plan", edited, "--storage", storage, "--job-id", "edited"], cwd=USER_DIR,
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": head})
     first = next(iter(params))
     message = (f"the plan does not match the model: '{first.replace(WRAPPED, '')}' is in the "
                f"plan but is no Muon-target param of this model (the model has '{first}' "
