@@ -18,7 +18,6 @@ import os
 
 import pytest
 from helpers.browser import ARTIFACTS, job_page
-from helpers.service_http import Service
 
 from dmuon import planning
 from dmuon.partition import DedicationPlan
@@ -58,11 +57,9 @@ def expected_route(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("policy"))
-    service = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
-    with service.serving():
-        yield service
+def svc(shared_service):
+    """The package's service (tests/system/conftest.py): 4 CPU workers, one job at a time."""
+    return shared_service
 
 
 @pytest.fixture(scope="module")

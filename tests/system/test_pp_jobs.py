@@ -19,7 +19,6 @@ import os
 
 import pytest
 from helpers.hf_reference import LLAMA
-from helpers.service_http import Service
 
 from service.job.layout import Layout
 from service.job.models.builtin import build_model
@@ -40,11 +39,9 @@ JOBS = {
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("pp"))
-    service = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
-    with service.serving():
-        yield service
+def svc(shared_service):
+    """The package's service (tests/system/conftest.py): 4 CPU workers, one job at a time."""
+    return shared_service
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,7 @@ import torch
 from helpers.elastic import SPEC as ELASTIC
 from helpers.hf_reference import LLAMA, QWEN3_MOE, RECIPE, lr_factor, reference_run
 from helpers.paths import TESTS as HERE
-from helpers.service_http import Service, alive, head_processes
+from helpers.service_http import alive, head_processes
 
 from service.control.ray_head import STATE_FILE
 from service.job.inputs.shards import write_shard
@@ -47,16 +47,15 @@ WORLD = 4
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory):
-    root = str(tmp_path_factory.mktemp("workloads"))
-    service = Service(root, DMUON_MAX_RUNNING="1", DMUON_LOCAL_CPUS=str(WORLD), RAY_ADDRESS="")
-    data = os.path.join(service.env["DMUON_STORAGE"], "data")
-    os.makedirs(os.path.join(data, "models", "llama"))
+def svc(shared_service):
+    """The package's service (tests/system/conftest.py: 4 CPU workers, one job at a
+    time), with the Llama's config.json under its data root."""
+    data = os.path.join(shared_service.env["DMUON_STORAGE"], "data")
+    os.makedirs(os.path.join(data, "models", "llama"), exist_ok=True)
     with open(os.path.join(data, "models", "llama", "config.json"), "w") as fh:
         json.dump(LLAMA, fh)
-    service.data = data
-    with service.serving():
-        yield service
+    shared_service.data = data
+    return shared_service
 
 
 def _exported(svc, job_id) -> dict:
@@ -257,10 +256,12 @@ def test_a_plan_that_no_longer_matches_the_model_is_refused_naming_the_param(svc
     edited, storage = os.path.join(svc.root, "edited_plan.json"), os.path.join(svc.root, "ed")
     with open(edited, "w") as fh:
         json.dump(plan, fh)
+    # on the service's head, idle between this module's jobs: no Ray of its own to start
+    head = f"127.0.0.1:{svc.head()['port']}"
     proc = subprocess.run(
         [sys.executable, "-m", "service.driver.job_driver", "--spec", "job_checkpointed.yaml",
          "--plan", edited, "--storage", storage, "--job-id", "edited"], cwd=USER_DIR,
-        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": ""})
+        capture_output=True, text=True, timeout=300, env={**os.environ, "RAY_ADDRESS": head})
     first = next(iter(params))
     message = (f"the plan does not match the model: '{first.replace(WRAPPED, '')}' is in the "
                f"plan but is no Muon-target param of this model (the model has '{first}' "
