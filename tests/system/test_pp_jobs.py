@@ -1,7 +1,8 @@
 """Pipeline-parallel jobs through REST (issue 52, item 5): on a real control plane with
 its own local Ray head (4 CPU workers), jobs with ``layout.pp: 2`` on the built-in
-``tiny`` model, on a Hugging Face Llama built from its config, and PP 2 x EP 2 on the
-built-in ``small-moe``, each 2 steps, one after the other on one service, all SUCCEEDED.
+``tiny`` model, on a Hugging Face Llama built from its config, PP 2 x EP 2 on the
+built-in ``small-moe`` and PP 2 x TP 2 on ``tiny``, each 2 steps, one after the other on
+one service, all SUCCEEDED.
 
 Each one's stored plan is the plan the workers ran: every rank's reported ``Layout``
 equals the stored one field by field, the stage it ran (its pp coordinate, pp
@@ -35,6 +36,7 @@ JOBS = {
               "layout": {"pp": 2}},
     "moe": {**BASE, "name": "pp-moe", "model": "small-moe",
             "layout": {"pp": 2, "shard": 2, "ep": 2}},
+    "tp": {**BASE, "name": "pp-tp", "model": "tiny", "layout": {"pp": 2, "tp": 2}},
 }
 
 
@@ -66,6 +68,7 @@ def test_a_pp_job_runs_its_stored_layout_and_stage_split(svc, jobs, name):
     stored = Layout(**part["layout"])
     assert (stored.pp, stored.world_size) == (2, WORLD)
     assert stored.ep == (2 if name == "moe" else 1)
+    assert stored.tp == (2 if name == "tp" else 1)
     split = {str(s["stage"]): s["layers"] for s in part["pipeline"]["stages"]}
     n = LLAMA["num_hidden_layers"] if name == "llama" else PRESETS[JOBS[name]["model"]].n_layers
     # two contiguous runs covering the model's layers, each one layer at least
