@@ -272,10 +272,13 @@ def _quiet_reports() -> None:
     """Ray Train (2.60) logs each ``ray.train.report`` with its whole metrics
     dict at INFO, from a logger named by its file's path, which ``LoggingConfig``'s level
     (for the ``ray.train`` loggers) does not reach: that logger alone gets WARNING. The
-    controller's ``step_line`` says the same once per step."""
+    controller's ``step_line`` says the same once per step. ``dedicate_params``' INFO
+    summary (the reference's, for scripts) likewise: the job's stored plan shows the
+    assignment (API, dashboard), where every worker would print it again."""
     from ray.train.v2._internal.execution import context
 
     logging.getLogger(context.__file__).setLevel(logging.WARNING)
+    logging.getLogger("dmuon.dedicate").setLevel(logging.WARNING)
 
 
 def train_loop_per_worker(config: dict) -> None:
