@@ -98,20 +98,6 @@ def _literal_model(world) -> str:
     return "no error"
 
 
-def _literal_model(world) -> str:
-    """quickstart.md's TinyMLP itself: FSDP2 refuses its nn.ModuleDict layers."""
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = TinyMLP(D, FF).to(torch.float64)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2)
-    try:
-        fully_shard(model.layers[0], mesh=mesh)
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
-
 def _accumulate(rank, world, z3: bool) -> dict:
     """grad-accumulation.md "Example: Full Training Loop with Accumulation" (Z3), and
     its DMuon-Z2 note: both flags False. The dataloader yields each rank's rows of a
