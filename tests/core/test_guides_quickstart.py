@@ -98,22 +98,29 @@ def _literal_model(world) -> str:
     return "no error"
 
 
+def _guides_setup(world: int, dmuon_z3: bool, fsdp_z3: bool):
+    """The set-up both guides show: dedicate the projections (DMuon's
+    `reshard_after_forward`), then `fully_shard` per layer and on the root (FSDP2's),
+    then `dmuon.Muon`."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,))
+    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2,
+                          reshard_after_forward=dmuon_z3)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp_z3)
+    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_z3)
+    return model, dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+
+
 def _accumulate(rank, world, z3: bool) -> dict:
     """grad-accumulation.md "Example: Full Training Loop with Accumulation" (Z3), and
     its DMuon-Z2 note: both flags False. The dataloader yields each rank's rows of a
     global batch, one row per micro-batch."""
     from contextlib import nullcontext
 
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2,
-                          reshard_after_forward=z3)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=z3)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    model, optimizer = _guides_setup(world, z3, z3)
     accum_steps = 4
     dataloader = [row for batch in global_batches(2)
                   for row in local_rows(batch, rank, world).tensor_split(accum_steps)]
@@ -135,16 +142,7 @@ def _accumulate(rank, world, z3: bool) -> dict:
 def _modes(rank, world, dmuon_z3: bool, fsdp_z3: bool) -> dict:
     """z2-z3-modes.md: `reshard_after_forward` for DMuon and FSDP2, symmetric and
     "Asymmetric configurations"; two steps, the last step's shard-dim bytes."""
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = build_model(get_config("tiny"), dtype=torch.float64, seed=0)
-    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: "proj" in n and p.ndim == 2,
-                          reshard_after_forward=dmuon_z3)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, reshard_after_forward=fsdp_z3)
-    fully_shard(model, mesh=mesh, reshard_after_forward=fsdp_z3)
-    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
+    model, optimizer = _guides_setup(world, dmuon_z3, fsdp_z3)
     for batch in global_batches(2):
         optimizer.zero_grad()
         loss_of(model, local_rows(batch, rank, world)).backward()

@@ -228,23 +228,13 @@ def runnable(lay: Layout, model, source, seq_len: int) -> None:
                              "yet; set layout.ep: 1", "model.weights")
 
 
-def _logits_split(model, blocks: list[str], tp: int, dims: tuple[int, int]) -> int:
-    """``predict``'s TP view of the head: T when its logits stay vocabulary shards."""
-    from .tp_costs import tp_view
-
-    try:
-        return tp_view(model, tp, blocks, *dims).logits_split
-    except ValueError as e:  # a degree the model refuses, worded as predict words it
-        raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
-
-
 def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
                        projection: bool = False):
     """(the layout, its ``PipelinePlan``) on ``nodes``: pp the spec's, or ``pp``;
     ``projection``: a layout weighed for a record, not one workers will run (no
     ``runnable`` check: uneven splits)."""
     from .layout_choice import choose_layout
-    from .predict import _embedding, device_bytes
+    from .predict import _embedding, checked_tp_view, device_bytes
 
     lay = choose_layout(nodes, spec, pp=pp)
     prepared = meta.prepared()
@@ -258,7 +248,7 @@ def pipeline_placement(spec: JobSpec, nodes, meta, pp: int | None = None, *,
     params = sum(p.numel() for p in model.parameters())
     plan = pipeline_plan(spec, lay, units, dims,
                          device_bytes(spec, nodes, lay.workers_per_node), params,
-                         _logits_split(model, prepared.blocks, lay.tp, dims))
+                         checked_tp_view(model, lay.tp, prepared.blocks, *dims).logits_split)
     return lay, plan
 
 

@@ -199,11 +199,8 @@ def _model_and_plan(spec: JobSpec, source, layout: Layout):
     model, split = prepared.model, prepared.split
     embed = _embedding(model)
     T = layout.tp
-    try:
-        view = tp_view(model, T, prepared.blocks, embed.embedding_dim if embed else 0,
-                       embed.num_embeddings if embed else 0)
-    except ValueError as e:
-        raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
+    view = checked_tp_view(model, T, prepared.blocks, embed.embedding_dim if embed else 0,
+                           embed.num_embeddings if embed else 0)
     moe = moe_shape(model, split.predicate)
     ep = resolve_ep(spec, layout.shard, moe)
     if ep != layout.ep:  # ep: auto, which only the model answers
@@ -215,6 +212,15 @@ def _model_and_plan(spec: JobSpec, source, layout: Layout):
                            experts=is_expert, ep_size=ep, param_policy=split.param_policy)
     annotate(plan, view.splits, T)
     return model, split, plan, view, moe, layout
+
+
+def checked_tp_view(model, T: int, blocks: list[str], hidden: int, vocab: int) -> TPView:
+    """``tp_view``, a TP degree the model refuses being a SpecError naming ``layout.tp``
+    (the planner's and the pipeline planner's one wording)."""
+    try:
+        return tp_view(model, T, blocks, hidden, vocab)
+    except ValueError as e:
+        raise SpecError(f"layout.tp: {str(e).removeprefix('layout.')}") from None
 
 
 def _embedding(model):
