@@ -185,19 +185,13 @@ class Boundary:
         """Refuse a module whose tensors no longer view the packed buffer (a plain
         ``to_empty``, or tensor parallelism applied after ``dedicate_params``): it would
         compute with values DMuon never fills. Needs the buffer allocated."""
-        elt = self.packed.element_size()
-        for m in self.members:
-            tensor = m.module_tensor()
-            if m.experts:
-                expected = self.expert_bases[id(m.param)].data_ptr()
-            else:
-                expected = self.packed.data_ptr() + m.offset * elt
-            if tensor.data_ptr() != expected:
-                raise RuntimeError(
-                    f"'{m.fqn}' no longer views DMuon's packed buffer: it was replaced "
-                    "after dmuon.dedicate_params (tensor parallelism applied after DMuon, "
-                    "or model.to_empty; materialise with dmuon.materialize, and apply TP "
-                    "first, then dedicate_params, then fully_shard)")
+        stray = _first_stray_view(self)
+        if stray is not None:
+            raise RuntimeError(
+                f"'{stray}' no longer views DMuon's packed buffer: it was replaced "
+                "after dmuon.dedicate_params (tensor parallelism applied after DMuon, "
+                "or model.to_empty; materialise with dmuon.materialize, and apply TP "
+                "first, then dedicate_params, then fully_shard)")
 
     def storages(self):
         return [self.packed, *self.expert_bases.values()]
@@ -208,12 +202,6 @@ class Boundary:
 
     def live_bytes(self) -> int:
         return sum(t.untyped_storage().nbytes() for t in self.storages())
-
-    def resident_bytes(self) -> int:
-        """Column values, plus masters kept apart from them (mixed precision)."""
-        masters = 0 if self.master_dtype == self.param_dtype else sum(
-            t.numel() * t.element_size() for t in self.masters.values())
-        return self.column_values.numel() * self.column_values.element_size() + masters
 
     def free(self) -> None:
         """Release the packed storage, once no side stream may still write it: an
@@ -240,3 +228,24 @@ class Boundary:
         for m in self.owned:
             self.column_view(m).copy_(self.masters[m.fqn])
         self.transfer.fresh = False
+
+
+def _first_stray_view(b: Boundary) -> str | None:
+    """The first unit whose module tensor does not view ``b``'s storage where it should."""
+    elt = b.packed.element_size()
+    for m in b.members:
+        if m.experts:
+            expected = b.expert_bases[id(m.param)].data_ptr()
+        else:
+            expected = b.packed.data_ptr() + m.offset * elt
+        if m.module_tensor().data_ptr() != expected:
+            return m.fqn
+    return None
+
+
+def resident_bytes(b: Boundary) -> int:
+    """What ``b`` holds between steps: its column values, plus masters kept apart from
+    them (mixed precision)."""
+    masters = 0 if b.master_dtype == b.param_dtype else sum(
+        t.numel() * t.element_size() for t in b.masters.values())
+    return b.column_values.numel() * b.column_values.element_size() + masters

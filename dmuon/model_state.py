@@ -140,21 +140,10 @@ class DedicatedModel:
         """FSDP2's policy, handed over by ``dmuon.fully_shard``: one policy for both kinds
         of params, unless ``dedicate_params`` was given DMuon's own (the reference's
         ``compute_dtype`` beside FSDP2's ``mp_policy``)."""
-        if self.own_mp_policy:
+        if self.own_mp_policy or not _is_new_policy(self, policy):
             return
-        if self.mp_policy is not None:
-            if self.mp_policy != policy:
-                raise ValueError(f"fully_shard(mp_policy={policy}) differs from DMuon's "
-                                 f"{self.mp_policy}: one policy per dedicated model")
-            return
-        if self.optimizer_attached or self.ledger.steps_closed or self.ledger.current():
-            raise RuntimeError("a mixed-precision policy must be set before the first "
-                               "forward and before dmuon.Muon is created")
         self.mp_policy = policy
-        for ctx in {id(c): c for c in [self.ctx, *(b.ctx for b in self.boundaries)]}.values():
-            ctx.reduce_dtype = policy.reduce_dtype
-        for b in self.boundaries:
-            b.set_param_dtype(policy.param_dtype or b.master_dtype)
+        _retype_buffers(self.ctx, self.boundaries, policy)
 
     # -- the optimizer's view: what every rank agrees on at the step ---------------------
     def agree(self, flag: torch.Tensor) -> bool:
@@ -341,3 +330,26 @@ def ignored_params(model: nn.Module) -> set[nn.Parameter]:
 
 
 DMuonState = DedicatedModel  # the name before issue 51; get_state's type
+
+
+def _is_new_policy(state: DedicatedModel, policy) -> bool:
+    """Whether FSDP2's ``policy`` is one for ``state`` to adopt: the one it holds is
+    not; another, or one that comes after the first forward or the optimizer, is
+    refused."""
+    if state.mp_policy is not None:
+        if state.mp_policy != policy:
+            raise ValueError(f"fully_shard(mp_policy={policy}) differs from DMuon's "
+                             f"{state.mp_policy}: one policy per dedicated model")
+        return False
+    if state.optimizer_attached or state.ledger.steps_closed or state.ledger.current():
+        raise RuntimeError("a mixed-precision policy must be set before the first "
+                           "forward and before dmuon.Muon is created")
+    return True
+
+
+def _retype_buffers(ctx: RankContext, boundaries: list, policy) -> None:
+    """The contexts' reduce dtype and the boundaries' buffers in ``policy``'s dtypes."""
+    for c in {id(c): c for c in [ctx, *(b.ctx for b in boundaries)]}.values():
+        c.reduce_dtype = policy.reduce_dtype
+    for b in boundaries:
+        b.set_param_dtype(policy.param_dtype or b.master_dtype)

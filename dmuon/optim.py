@@ -27,10 +27,13 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
     return lr * 0.2 * math.sqrt(max(rows, cols))
 
 
-def _apply(p, ortho, group, full_shape) -> None:
-    """torch.optim.Muon's weight decay and step, with its per-matrix lr scaling."""
-    p.mul_(1 - group["lr"] * group["weight_decay"])
-    p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
+def _apply_updates(updates: list, state: dict, member_of: dict, ledger) -> None:
+    """The variant's update (NorMuon's normalisation, or none), then torch.optim.Muon's
+    weight decay and step with its per-matrix lr scaling."""
+    for p, ortho, group, full_shape in updates:
+        ortho = normuon.variant_update(state[p], p, ortho, group, member_of[id(p)].tp, ledger)
+        p.mul_(1 - group["lr"] * group["weight_decay"])
+        p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
 
 
 class Muon(ReferenceClipMethods, torch.optim.Optimizer):
@@ -63,10 +66,8 @@ class Muon(ReferenceClipMethods, torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         variant: str = "muon",
         beta2: float = normuon.BETA2,
-        adamw_lr: float = 1e-3,
-        adamw_betas: tuple[float, float] = (0.9, 0.95),
-        adamw_eps: float = 1e-8,
-        adamw_weight_decay: float = 0.0,
+        adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.0,
         replicate_async: bool = True,
         param_groups: list[dict] | None = None,
         skip_nonfinite: bool = True, qk_clip: float | bool | None = None,
@@ -133,10 +134,7 @@ class Muon(ReferenceClipMethods, torch.optim.Optimizer):
             self.skipped_steps += 1
             self.zero_grad(set_to_none=True)  # on every rank alike: no update, no state
         else:
-            for p, ortho, group, full_shape in updates:
-                tp = self._member_of[id(p)].tp
-                ortho = normuon.variant_update(self.state[p], p, ortho, group, tp, self.ledger)
-                _apply(p, ortho, group, full_shape)
+            _apply_updates(updates, self.state, self._member_of, self.ledger)
             if any(g["params"] for g in self._adamw.param_groups):
                 self._adamw.step()
         if self._qk_clip is not None:
@@ -182,9 +180,8 @@ class Muon(ReferenceClipMethods, torch.optim.Optimizer):
         param moves, so every rank skips the same steps. Momentum keeps the (finite)
         gradient it absorbed."""
         local = count_nonfinite(ortho for _, ortho, _, _ in updates)
-        if local is None:
-            local = torch.zeros((), device=self._state.ctx.device)
-        if not agree(local):
+        if not agree(torch.zeros((), device=self._state.ctx.device) if local is None
+                     else local):
             return False
         if not self.nonfinite_ranks:
             self.nonfinite_ranks = ["update"]

@@ -174,36 +174,37 @@ class DedicationPlan(Mapping):
         plan = cls(int(stored["shard_size"]), int(stored["replicate_size"]),
                    tp_size=int(stored.get("tp_size", 1)), ep_size=int(stored.get("ep_size", 1)))
         for unit, a in stored["params"].items():
-            experts = a.get("experts")
             plan.params[unit] = Assignment(
                 fqn=unit, shape=tuple(a["shape"]), boundary=a["boundary"],
                 owner=int(a["owner"]), owner_coord=tuple(a["owner_coord"]),
                 numel=int(a["numel"]), ns_flops=int(a["ns_flops"]), tp=a.get("tp"),
-                param=a.get("param") or unit, experts=tuple(experts) if experts else None,
-                ep=a.get("ep"), route=a.get("route", "muon"))
+                param=a.get("param") or unit, ep=a.get("ep"), route=a.get("route", "muon"),
+                experts=tuple(a["experts"]) if a.get("experts") else None)
         return plan
 
     def table(self) -> str:
-        """Per-rank ownership table as printed by the demo and the CLI. Under tensor
-        parallelism one row per (r, s, t) rank (global rank ``(r * N + s) * T + t``, the
-        ``(replicate, shard, tp)`` mesh), each holding 1/T of its coordinate's matrices."""
-        per_rank, flops = self.elements_per_rank, self.ns_flops_per_rank
-        counts = Counter(a.owner for a in self.params.values())
-        T, P = self.tp_size, self.ep_size
-        coord = "(r,s)" if T == 1 else "(r,s,t)"
-        ep = f" {'ep':>3}" if P > 1 else ""
-        lines = [f"{'rank':>4} {coord:>7}{ep} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
-        for rank in range(self.world_size * T):
-            slot, t = divmod(rank, T)
-            where = f"{slot // self.shard_size},{slot % self.shard_size}" + (f",{t}" if T > 1
-                                                                           else "")
-            ep = f" {slot % self.shard_size % P:>3}" if P > 1 else ""
-            lines.append(
-                f"{rank:>4} {'(' + where + ')':>7}{ep} {counts[slot]:>8} "
-                f"{per_rank[slot] // T:>14,} {flops[slot] / T / 1e9:>10.2f}")
-        lines.append(f"imbalance (max/mean): elements {self.imbalance:.4f}, "
-                     f"NS FLOPs {self.ns_imbalance:.4f}")
-        return "\n".join(lines)
+        """Per-rank ownership table as printed by the demo and the CLI."""
+        return _ownership_table(self)
+
+
+def _ownership_table(plan: DedicationPlan) -> str:
+    """Under TP one row per (r, s, t) rank (global rank ``(r * N + s) * T + t``), each
+    holding 1/T of its coordinate's matrices."""
+    per_rank, flops = plan.elements_per_rank, plan.ns_flops_per_rank
+    counts = Counter(a.owner for a in plan.params.values())
+    T, P = plan.tp_size, plan.ep_size
+    coord, ep = "(r,s)" if T == 1 else "(r,s,t)", f" {'ep':>3}" if P > 1 else ""
+    lines = [f"{'rank':>4} {coord:>7}{ep} {'matrices':>8} {'elements':>14} {'NS GFLOP':>10}"]
+    for rank in range(plan.world_size * T):
+        slot, t = divmod(rank, T)
+        where = ",".join(map(str, divmod(slot, plan.shard_size) + ((t,) if T > 1 else ())))
+        ep = f" {slot % plan.shard_size % P:>3}" if P > 1 else ""
+        lines.append(
+            f"{rank:>4} {'(' + where + ')':>7}{ep} {counts[slot]:>8} "
+            f"{per_rank[slot] // T:>14,} {flops[slot] / T / 1e9:>10.2f}")
+    lines.append(f"imbalance (max/mean): elements {plan.imbalance:.4f}, "
+                 f"NS FLOPs {plan.ns_imbalance:.4f}")
+    return "\n".join(lines)
 
 
 def select_params(model: nn.Module, predicate, owner_adamw=frozenset()) -> list[tuple]:

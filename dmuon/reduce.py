@@ -135,15 +135,7 @@ class GradientReduce:
         for n, item in enumerate(waiting):
             if not (block or n < len(waiting) - 1 or item.column.done()):
                 return
-            b = item.boundary  # the replicate group is the same for every boundary
-            item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
-                                         dtype=item.column_out.dtype, device=ctx.device)
-            with ctx.streams.issuing("reduce") as issued:
-                item.column.wait()  # on CUDA the reduce stream waits, not the compute stream
-                work = comm.reduce_scatter_v(item.owned_out, item.column_out, b.replica_sizes,
-                                             ctx.replicate_group, ctx.ledger, "replicate",
-                                             "reduce")
-            item.owned = comm.Pending(work, item.column_out, item.owned_out, issued=issued)
+            _issue_replicate_stage(item, ctx)
 
     # -- at the step -----------------------------------------------------------------
     def divide_at_landing(self, factor: int) -> None:
@@ -171,14 +163,7 @@ class GradientReduce:
         # gradients kept by zero_grad(set_to_none=False): like torch.optim's, they stay
         retained = {m.fqn for m in b.owned if b.masters[m.fqn].grad is not None}
         for item in items:
-            item.column.wait()
-            _, after = divide_factors(world, item.column_out.dtype)
-            after *= self.step_divisor
-            if self.ctx.replicate_size == 1:
-                b.grads.land(item.column_out, after)
-            elif item.owned is not None:
-                item.owned.wait()
-                b.grads.land(item.owned_out, after)
+            _land_item(item, world, self.step_divisor, self.ctx.replicate_size == 1)
             self._in_flight.remove(item)
         present = self.agreement.present()
         for m in b.owned:
@@ -207,3 +192,28 @@ class GradientReduce:
         # step that decides on them; the next step's first backward clears them
         self.agreement.close(touched=not self._finished)
         self._finished, self.step_divisor = True, 1
+
+
+def _issue_replicate_stage(item: InFlight, ctx) -> None:
+    b = item.boundary  # the replicate group is the same for every boundary
+    item.owned_out = torch.empty(b.replica_sizes[ctx.replicate_rank],
+                                 dtype=item.column_out.dtype, device=ctx.device)
+    with ctx.streams.issuing("reduce") as issued:
+        item.column.wait()  # on CUDA the reduce stream waits, not the compute stream
+        work = comm.reduce_scatter_v(item.owned_out, item.column_out, b.replica_sizes,
+                                     ctx.replicate_group, ctx.ledger, "replicate", "reduce")
+    item.owned = comm.Pending(work, item.column_out, item.owned_out, issued=issued)
+
+
+def _land_item(item: InFlight, world: int, step_divisor: int, shard_only: bool) -> None:
+    """Wait for ``item``'s reduce and add this rank's part into its boundary's masters:
+    the column's under FSDP, the owned part of it under HSDP (a rank that owns none of
+    the column lands nothing)."""
+    item.column.wait()
+    _, after = divide_factors(world, item.column_out.dtype)
+    after *= step_divisor
+    if shard_only:
+        item.boundary.grads.land(item.column_out, after)
+    elif item.owned is not None:
+        item.owned.wait()
+        item.boundary.grads.land(item.owned_out, after)

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from . import normuon
+from .buffers import resident_bytes
 from .model_state import get_state, is_dedicated
 
 MEMORY_KINDS = ("packed_buffers", "owned_params", "momentum", "fsdp_shards", "adamw_state")
@@ -27,7 +28,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state = get_state(model)
     report = dict.fromkeys(MEMORY_KINDS, 0)
     report["packed_buffers"] = state.live_packed_bytes()
-    report["owned_params"] = sum(b.resident_bytes() for b in state.boundaries)
+    report["owned_params"] = sum(resident_bytes(b) for b in state.boundaries)
     report["fsdp_shards"] = sum(
         _local_nbytes(p) for p in model.parameters() if not is_dedicated(p)
     )

@@ -460,8 +460,8 @@ def test_no_block_of_six_lines_is_repeated():
     assert not repeats, "\n".join(repeats)
 
 
-# "about 150": the cap of issue 51, with the slack of a docstring paragraph
-CLASS_LIMIT = 160
+# "about 150": the cap of issue 51
+CLASS_LIMIT = 150
 
 
 def test_no_class_grows_past_about_150_lines():

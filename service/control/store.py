@@ -77,6 +77,15 @@ def _history(conn, job_id: str) -> list[dict]:
     return [dict(r._mapping) for r in rows]
 
 
+def _layout_events(conn, job_id: str) -> list[dict]:
+    """The layout changes rank 0 recorded (an elastic job's), with their steps."""
+    events = conn.execute(select(metrics.c.record).where(
+        metrics.c.job_id == job_id, metrics.c.rank == 0,
+        metrics.c.record.like('%"layout_event": {%')).order_by(metrics.c.step)).all()
+    return [{"step": r["step"], **r["layout_event"]}
+            for r in (json.loads(text) for (text,) in events)]
+
+
 def _last_losses(conn, job_id: str) -> dict | None:
     """The newest step's loss (the mean over its ranks, as the step line shows it) and
     the newest validation loss, each with its step; None before the first step."""
@@ -187,11 +196,7 @@ class JobStore:
                 return None
             history = _history(conn, job_id)
             last = _last_losses(conn, job_id)
-            events = conn.execute(select(metrics.c.record).where(
-                metrics.c.job_id == job_id, metrics.c.rank == 0,
-                metrics.c.record.like('%"layout_event": {%')).order_by(metrics.c.step)).all()
-        layouts = [{"step": r["step"], **r["layout_event"]}
-                   for r in (json.loads(text) for (text,) in events)]
+            layouts = _layout_events(conn, job_id)
         return {**_job(row), "history": history, "layouts": layouts,
                 **({"last": last} if last is not None else {})}
 

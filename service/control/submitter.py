@@ -170,14 +170,7 @@ class RayJobRunner:
         except PackageError as e:  # checked on submission; deleted since
             self.store.queue.settle(job["id"], "FAILED", str(e))
             return True
-        try:
-            self.client.submit_job(entrypoint=self.command(job, token),
-                                   submission_id=job["id"], runtime_env=env)
-        except RuntimeError as e:
-            if "already exists" not in str(e):
-                self.store.queue.release_claim(job["id"])
-                raise
-            _log(f"{job['id']} was already on Ray (its submitter stopped before recording it)")
+        _submit_claimed(self.client, self.store, job, self.command(job, token), env)
         if not self.store.queue.mark_submitted(job["id"]):
             self.stop_quietly(job["id"])  # cancelled while we submitted it
         return True
@@ -233,3 +226,16 @@ class RayJobRunner:
     async def tail(self, job_id: str):
         async for chunk in self.client.tail_job_logs(job_id):
             yield chunk
+
+
+def _submit_claimed(client, store: JobStore, job: dict, entrypoint: str, env: dict) -> None:
+    """Hand a claimed job to Ray's job API under its own id: a job Ray already holds (its
+    submitter stopped before recording it) is left as it is; any other refusal releases
+    the claim."""
+    try:
+        client.submit_job(entrypoint=entrypoint, submission_id=job["id"], runtime_env=env)
+    except RuntimeError as e:
+        if "already exists" not in str(e):
+            store.queue.release_claim(job["id"])
+            raise
+        _log(f"{job['id']} was already on Ray (its submitter stopped before recording it)")

@@ -24,6 +24,7 @@ from helpers.train import HPARAMS, lr_lambda, reference_ns, reference_optimizers
 from torch import nn
 
 import dmuon
+from dmuon.buffers import resident_bytes
 from dmuon.expert_dispatch import grouped_linear
 from dmuon.testing import run
 
@@ -234,7 +235,7 @@ def _train(rank, world, layout_id, path=None, save_at=None, load=False):
                      for p in ("forward", "backward", "reduce")}
     out["expert_peak"] = peak[0]
     out["by_phase"], out["memory"] = ledger.last_step_by_phase(), dmuon.memory_report(model, opt)
-    out["expert_resident"] = sum(b.resident_bytes() for b in dmuon.get_state(model).boundaries
+    out["expert_resident"] = sum(resident_bytes(b) for b in dmuon.get_state(model).boundaries
                                  if b.ctx is dmuon.get_state(model).expert_ctx)
     return {**out, "full": dmuon.full_state_dict(model), "plan": plan.to_dict(),
             "table": plan.table(), "norms": norms,
