@@ -76,14 +76,14 @@ def probe_point(name: str) -> tuple[object, str]:
     only: ``wait_gather``, ``wait_replicate`` (a boundary's waits for its all-gathers),
     ``land`` (the owner's wait for a reduced gradient), ``side_stream`` (the context
     every side-stream block runs in) and ``optimizer_ns`` (the NS ``dmuon.Muon`` calls)."""
-    from . import comm, optim
-    from .buffers import Boundary
+    from . import comm, ns_schedule
+    from .boundary_transfer import BoundaryTransfer
     from .reduce import GradientReduce
 
-    points = {"wait_gather": (Boundary, "wait_gather"),
-              "wait_replicate": (Boundary, "wait_replicate"),
+    points = {"wait_gather": (BoundaryTransfer, "wait_gather"),
+              "wait_replicate": (BoundaryTransfer, "wait_replicate"),
               "land": (GradientReduce, "land"), "side_stream": (comm.Streams, "issuing"),
-              "optimizer_ns": (optim, "newton_schulz")}
+              "optimizer_ns": (ns_schedule, "newton_schulz")}
     if name not in points:
         raise ValueError(f"no probe point {name!r}; there are {sorted(points)}")
     return points[name]
