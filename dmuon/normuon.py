@@ -62,13 +62,11 @@ def normalise_rows(ortho: torch.Tensor, second_moment: torch.Tensor, beta2: floa
     return normalised * (_frobenius(rows_sq, tp, ledger) / (new_norm + EPS))
 
 
-def variant_update(state: dict, p: torch.Tensor, ortho: torch.Tensor, group: dict, tp,
+def normuon_update(state: dict, p: torch.Tensor, ortho: torch.Tensor, group: dict, tp,
                    ledger) -> torch.Tensor:
-    """The update the group's variant makes of NS's output (``state``: the optimizer's
-    state of the param ``p``, whose dtype its statistics keep). Called after the step's
-    skip is agreed, so a skipped step leaves NorMuon's statistics as they were."""
-    if group["variant"] != "normuon":
-        return ortho
+    """NorMuon's update of NS's output (``state``: the optimizer's state of the param
+    ``p``, whose dtype its statistics keep). Called after the step's skip is agreed, so
+    a skipped step leaves NorMuon's statistics as they were."""
     if ROW_STATE not in state:
         state[ROW_STATE] = second_moment_like(p)
     return normalise_rows(ortho, state[ROW_STATE], group["beta2"], tp=tp, ledger=ledger)

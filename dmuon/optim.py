@@ -28,10 +28,13 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape) -> float:
 
 
 def _apply_updates(updates: list, state: dict, member_of: dict, ledger) -> None:
-    """The variant's update (NorMuon's normalisation, or none), then torch.optim.Muon's
-    weight decay and step with its per-matrix lr scaling."""
+    """NorMuon's normalisation where the group asks for it (plain Muon steps with NS's
+    output), then torch.optim.Muon's weight decay and step with its per-matrix lr
+    scaling."""
     for p, ortho, group, full_shape in updates:
-        ortho = normuon.variant_update(state[p], p, ortho, group, member_of[id(p)].tp, ledger)
+        if group["variant"] == "normuon":
+            ortho = normuon.normuon_update(state[p], p, ortho, group, member_of[id(p)].tp,
+                                           ledger)
         p.mul_(1 - group["lr"] * group["weight_decay"])
         p.add_(ortho, alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], full_shape))
 
