@@ -43,7 +43,7 @@ from .data_parallel import DataParallel
 from .mesh import JobMesh, device
 from .nonfinite_steps import NonfiniteSteps
 from .rank_records import keep_record
-from .step_metrics import flops_per_token, peak_flops, step_record
+from .step_metrics import flops_per_token, ledger_bytes, peak_flops, step_record
 from .weights import load_weights
 
 SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe",
@@ -212,10 +212,8 @@ def _add_other_stages(record: dict, pipe: Pipeline) -> None:
     are its stages' together, as are its packed buffers' peaks (each stage's own peak:
     their sum bounds the rank's, exact under Z2, where every buffer stays)."""
     for module, opt in zip(pipe.modules[1:], pipe.opt.optimizers[1:]):
-        for dim, phases in dmuon.get_ledger(module).last_step_by_phase().items():
-            for phase, n in phases.items():
-                key = f"{dim}.{phase}"
-                record["bytes"][key] = record["bytes"].get(key, 0) + n
+        for key, n in ledger_bytes(module).items():
+            record["bytes"][key] = record["bytes"].get(key, 0) + n
         for kind, n in dmuon.memory_report(module, opt).items():
             record["memory"][kind] += n
         peak, more = record["peak_memory"], dmuon.get_state(module).take_packed_peak()

@@ -57,10 +57,16 @@ def step_peak(model) -> dict:
     return peak
 
 
+def ledger_bytes(model) -> dict[str, int]:
+    """The last step's bytes of ``model``'s ledger, as ``"dim.phase"`` -> bytes."""
+    return {f"{dim}.{phase}": n
+            for dim, phases in dmuon.get_ledger(model).last_step_by_phase().items()
+            for phase, n in phases.items()}
+
+
 def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: int,
                 global_tokens: int, flops_token: float, peak: float | None,
                 lr: dict, grad_norm: float | None) -> dict:
-    ledger = dmuon.get_ledger(model).last_step_by_phase()
     rate = tokens / elapsed if elapsed else 0.0
     return {
         "step": step, "rank": dist.get_rank(), "loss": loss, "step_time_s": elapsed,
@@ -72,8 +78,7 @@ def step_record(model, opt, *, step: int, loss: float, elapsed: float, tokens: i
         "max_logit": getattr(opt, "max_logit", None),
         "clipped_heads": getattr(opt, "clipped_heads", None)
         if getattr(opt, "max_logit", None) is not None else None,
-        "bytes": {f"{dim}.{phase}": n for dim, phases in ledger.items()
-                  for phase, n in phases.items()},
+        "bytes": ledger_bytes(model),
         "memory": dmuon.memory_report(model, opt),
         "peak_memory": step_peak(model),
         "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
