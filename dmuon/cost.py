@@ -121,13 +121,13 @@ def memory_prediction(plan: DedicationPlan, rank: int, *, z3: bool, param_bytes:
     ``row_moments``: NorMuon's, which keeps one second moment per row of every matrix it
     owns (``dmuon.normuon.second_moment_like``) next to the momentum. A boundary whose
     params' dtype is the master's keeps no master apart."""
-    owned = plan.elements_per_rank[rank]
+    mine = [a for a in plan.params.values() if a.owner == rank]  # one pass over the units
+    owned = sum(a.numel for a in mine)
     param_size = _sizer(param_bytes, 0, boundary_bytes)[0]
     column = _column(plan, param_size)[rank % plan.shard_size]
-    masters_apart = sum(a.numel * master_bytes for a in plan.params.values()
-                        if a.owner == rank and param_size(a) != a.numel * master_bytes)
-    rows = sum(a.numel // a.shape[-1] for a in plan.params.values()
-               if a.owner == rank) if row_moments else 0
+    masters_apart = sum(a.numel * master_bytes for a in mine
+                        if param_size(a) != a.numel * master_bytes)
+    rows = sum(a.numel // a.shape[-1] for a in mine) if row_moments else 0
     return {"packed_buffers": 0 if z3 else sum(_gathered(plan, param_size)),
             "owned_params": column + masters_apart,
             "momentum": (owned + rows) * master_bytes}
