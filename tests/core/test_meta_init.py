@@ -57,3 +57,32 @@ def test_unit_seeds_are_the_documented_hash():
         int.from_bytes(digest, "little") & ((1 << 63) - 1)
     a, b = build_model("tiny", seed=1), build_model("tiny", seed=2)
     assert not torch.equal(a.lm_head.weight, b.lm_head.weight)
+
+
+def _replaced_then_forward(rank, world):
+    """A model dedicated with its values, then one Muon matrix given new storage (what a
+    plain ``to_empty`` or TP applied after ``dedicate_params`` does to each param)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = build_model("small", seed=SEED)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    dmuon.dedicate_params(model, mesh, predicate=muon_predicate)
+    for layer in model.model.layers:
+        dmuon.fully_shard(layer, mesh=mesh)
+    dmuon.fully_shard(model, mesh=mesh)
+    replaced = "model.layers.1.mlp.up_proj.weight"
+    param = model.get_parameter(replaced)
+    param.data = torch.zeros_like(param)
+    try:
+        loss_of(model, local_rows(global_batches(1)[0], rank, world))
+    except RuntimeError as e:
+        return replaced, str(e)
+    return replaced, None
+
+
+def test_a_matrix_no_longer_viewing_the_packed_buffer_is_refused_by_name():
+    """Every rank refuses the first forward, naming the param, instead of computing with
+    values DMuon never fills."""
+    for replaced, error in run(_replaced_then_forward, world_size=2):
+        assert error is not None and error.startswith(
+            f"'{replaced}' no longer views DMuon's packed buffer"), error
