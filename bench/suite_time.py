@@ -37,10 +37,15 @@ def parse_log(text: str) -> dict:
             "file_of": file_of}
 
 
+def _added(then: dict, now: dict) -> set[str]:
+    """The test functions only ``now`` holds."""
+    return set(now["by_test"]) - set(then["by_test"])
+
+
 def compare(then: dict, now: dict) -> dict:
     """The test functions both runs hold, summed in each; those only ``now`` holds."""
-    kept = set(then["by_test"]) & set(now["by_test"])
-    added = set(now["by_test"]) - kept
+    added = _added(then, now)
+    kept = set(now["by_test"]) - added
     return {"kept_tests": len(kept), "added_tests": len(added),
             "kept_then_s": sum(then["by_test"][t] for t in kept),
             "kept_now_s": sum(now["by_test"][t] for t in kept),
@@ -50,10 +55,8 @@ def compare(then: dict, now: dict) -> dict:
 
 def table(then: dict, now: dict, cmp: dict, commits: tuple[str, str]) -> str:
     rows = ["| | at " + commits[0] + " | at " + commits[1] + " |", "|---|---:|---:|",
-            f"| tests passed | {then['counts'].get('passed', 0)} | "
-            f"{now['counts'].get('passed', 0)} |",
-            f"| tests failed | {then['counts'].get('failed', 0)} | "
-            f"{now['counts'].get('failed', 0)} |",
+            *(f"| tests {outcome} | {then['counts'].get(outcome, 0)} | "
+              f"{now['counts'].get(outcome, 0)} |" for outcome in ("passed", "failed")),
             f"| pytest s | {then['seconds']:.0f} | {now['seconds']:.0f} |",
             f"| the {cmp['kept_tests']} test functions both hold, s | {cmp['kept_then_s']:.0f} "
             f"| {cmp['kept_now_s']:.0f} |",
@@ -65,9 +68,8 @@ def table(then: dict, now: dict, cmp: dict, commits: tuple[str, str]) -> str:
 def added_by_file(then: dict, now: dict, top: int = 8) -> str:
     """The files whose added test functions take longest: where the added time went."""
     files = collections.Counter()
-    for name, seconds in now["by_test"].items():
-        if name not in then["by_test"]:
-            files[now["file_of"][name]] += seconds
+    for name in _added(then, now):
+        files[now["file_of"][name]] += now["by_test"][name]
     return "\n".join(f"- `{f}`: {s:.0f} s" for f, s in files.most_common(top))
 
 
@@ -109,12 +111,12 @@ def main(argv=None) -> None:
     cmp = compare(then, now)
     commits = tuple(_short(c) for c in (args.then, args.now))
     text = table(then, now, cmp, commits)
-    added = added_by_file(then, now)
+    added, cpu = added_by_file(then, now), _cpu()
     print(text + "\n\nWhere the added tests' time went:\n" + added)
     print(write_record("suite_time", "The suite's time at two commits", text,
-                       {"then": commits[0], "now": commits[1], "cpu": _cpu(), **cmp,
+                       {"then": commits[0], "now": commits[1], "cpu": cpu, **cmp,
                         "then_s": then["seconds"], "now_s": now["seconds"]},
-                       notes=f"Where the added tests' time went:\n{added}\n\nCPU: {_cpu()}; "
+                       notes=f"Where the added tests' time went:\n{added}\n\nCPU: {cpu}; "
                              "each run from a clean clone, `bash .ci/run` with every "
                              "test's durations printed. A log printed with pytest's default "
                              "`--durations-min` (5 ms) leaves out the test functions whose "
